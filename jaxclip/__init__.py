@@ -1,0 +1,27 @@
+"""jaxclip: gradient clipping for JAX as optax transformations over pytrees."""
+
+from jaxclip.clipping import (
+    ClipByGlobalNormState,
+    ClipByNormState,
+    clip_by_global_norm,
+    clip_by_norm,
+    clip_by_value,
+    clip_tree_by_global_norm,
+    clip_tree_by_norm,
+    clip_tree_by_value,
+    global_norm,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClipByGlobalNormState",
+    "ClipByNormState",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "clip_tree_by_global_norm",
+    "clip_tree_by_norm",
+    "clip_tree_by_value",
+    "global_norm",
+]

@@ -1,0 +1,331 @@
+"""The one numerics core: every norm jaxclip computes comes from here.
+
+A p-norm ``(sum |x|^p)^(1/p)`` (``max |x|`` for ``p=inf``) is computed in one pass in
+the common case: the plain power sum, accumulated in float32 (float64 for float64
+leaves) with the upcast fused into the reduction, so no widened copy of the gradients
+exists. Only when that sum is outside the range where it is exact -- it overflowed,
+is non-finite, or is so small that elements may have underflowed -- does a
+``lax.cond`` take the scaled path: divide by the largest magnitude (as BLAS ``nrm2``
+does), sum, and multiply back. Roots and divisions are guarded so that ``jax.grad``
+and ``jax.jvp`` stay finite at zero.
+
+Many small leaves are concatenated into one buffer per dtype ("bucketing") before a
+global reduction, so a thousand-leaf tree compiles to a handful of reduction kernels.
+Only leaves that live whole on one device are bucketed: concatenating sharded leaves
+would make XLA all-gather them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Array = jax.Array
+AxisName = Union[None, str, tuple[str, ...]]
+
+#: Leaves at most this many bytes may be copied into a bucket before a global reduction.
+BUCKET_MAX_BYTES = 64 * 1024
+
+
+def acc_dtype(dtype: Any) -> np.dtype:
+    """The accumulation dtype of a leaf: float64 for 64-bit leaves, else float32."""
+    dtype = np.dtype(dtype)
+    if dtype in (np.dtype(np.float64), np.dtype(np.complex128)):
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+def result_dtype(leaves: Sequence[Any]) -> np.dtype:
+    """The dtype of a norm over ``leaves``: the widest accumulation dtype among them."""
+    if any(acc_dtype(x.dtype) == np.float64 for x in leaves):
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
+def check_norm_type(norm_type: Any) -> float:
+    """``norm_type`` as a float, or a ValueError saying what is accepted."""
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"jaxclip: norm_type={norm_type!r} is not a number; use a float p > 0 "
+            "(2.0 for the Euclidean norm) or float('inf')."
+        ) from e
+    if not p > 0:  # also catches NaN
+        raise ValueError(
+            f"jaxclip: norm_type={norm_type!r} is not a valid norm; use p > 0 "
+            "(2.0 for the Euclidean norm, 1.0, any positive float) or float('inf')."
+        )
+    return p
+
+
+def _abs(x: Array, acc: np.dtype) -> Array:
+    """|x| in the accumulation dtype (the convert fuses into the consumer)."""
+    if jnp.iscomplexobj(x):
+        return jnp.abs(x).astype(acc)
+    return jnp.abs(x.astype(acc))
+
+
+def _power(a: Array, p: float) -> Array:
+    """a**p for a >= 0, with a zero derivative at a == 0 for every p."""
+    if p == 1.0:
+        return a
+    if p == 2.0:
+        return a * a
+    if p == int(p) and p <= 8:
+        return lax.integer_pow(a, int(p))
+    pos = a > 0
+    return jnp.where(pos, jnp.power(jnp.where(pos, a, 1), p), 0)
+
+
+def _power_abs(x: Array, p: float, acc: np.dtype) -> Array:
+    if p == 2.0 and jnp.iscomplexobj(x):
+        re, im = jnp.real(x).astype(acc), jnp.imag(x).astype(acc)
+        return re * re + im * im
+    return _power(_abs(x, acc), p)
+
+
+def root(s: Array, p: float) -> Array:
+    """s**(1/p) with finite derivatives at s == 0; NaN and inf pass through."""
+    if p == 1.0:
+        return s
+    zero = s == 0
+    safe = jnp.where(zero, 1, s)
+    r = jnp.sqrt(safe) if p == 2.0 else jnp.power(safe, 1.0 / p)
+    return jnp.where(zero, 0, r)
+
+
+def _exact_range(s: Array) -> Array:
+    """Whether a power sum is exact as it stands (no overflow, no lost underflow).
+
+    Elements whose power underflowed lose at most ``n * tiny`` in all; above
+    ``tiny * 2**64`` that is far below an ulp of the sum for any realistic ``n``.
+    """
+    lo = float(jnp.finfo(s.dtype).tiny) * 2.0**64
+    return (s >= lo) & (s < jnp.inf)
+
+
+def _safe_divisor(m: Array) -> tuple[Array, Array]:
+    """(m where it is positive and finite else 1, that mask)."""
+    good = (m > 0) & jnp.isfinite(m)
+    return jnp.where(good, m, 1), good
+
+
+def _axis_size_known(axis_name: AxisName) -> bool:
+    return axis_name is not None and axis_name != ()
+
+
+def _psum(x: Array, axis_name: AxisName) -> Array:
+    return lax.psum(x, axis_name) if _axis_size_known(axis_name) else x
+
+
+def _pmax(x: Array, axis_name: AxisName) -> Array:
+    return lax.pmax(x, axis_name) if _axis_size_known(axis_name) else x
+
+
+# ----------------------------------------------------------------------------------------
+# Per-slice norms (clip_by_norm): one norm per leaf, or per slice over `axes`.
+
+
+def slice_norms(
+    leaves: Sequence[Array], p: float, axes: Sequence[Optional[tuple[int, ...]]]
+) -> list[Array]:
+    """Norms of each leaf over its ``axes`` (all axes when None), with ``keepdims``.
+
+    Args:
+      leaves: floating or complex arrays.
+      p: the norm type (> 0, or inf).
+      axes: per leaf, the axes to reduce (normalised, non-negative), or None for all.
+
+    Returns:
+      Per leaf, an array broadcastable against it, in its accumulation dtype.
+    """
+    if not leaves:
+        return []
+    accs = [acc_dtype(x.dtype) for x in leaves]
+    if p == math.inf:
+        return [_max_abs(x, a, acc) for x, a, acc in zip(leaves, axes, accs)]
+    sums = [
+        jnp.sum(_power_abs(x, p, acc), axis=a, keepdims=True)
+        for x, a, acc in zip(leaves, axes, accs)
+    ]
+    oks = [_exact_range(s) for s in sums]
+    all_ok = jnp.all(jnp.stack([jnp.all(ok) for ok in oks]))
+
+    def fast() -> list[Array]:
+        return [root(s, p) for s in sums]
+
+    def scaled() -> list[Array]:
+        out = []
+        for x, a, acc, s, ok in zip(leaves, axes, accs, sums, oks):
+            m = _max_abs(x, a, acc)
+            n = _unscale(m, _scaled_sum(x, _safe_divisor(m)[0], p, a), p)
+            out.append(jnp.where(ok, root(s, p), n))
+        return out
+
+    return lax.cond(all_ok, fast, scaled)
+
+
+def _max_abs(x: Array, axes: Optional[tuple[int, ...]], acc: np.dtype) -> Array:
+    if x.size == 0:
+        shape = tuple(1 if (axes is None or i in axes) else d for i, d in enumerate(x.shape))
+        return jnp.zeros(shape, acc)
+    return jnp.max(_abs(x, acc), axis=axes, keepdims=True)
+
+
+def _scaled_sum(x: Array, d: Array, p: float, axes: Optional[tuple[int, ...]]) -> Array:
+    """``sum (|x|/d)^p`` over ``axes`` (keepdims), in the leaf's accumulation dtype."""
+    acc = acc_dtype(x.dtype)
+    return jnp.sum(_power(_abs(x, acc) / d.astype(acc), p), axis=axes, keepdims=True)
+
+
+def _unscale(m: Array, t: Array, p: float) -> Array:
+    """The norm ``m * t^(1/p)`` from a max magnitude ``m`` and a power sum scaled by it."""
+    _, good = _safe_divisor(m)
+    # m == 0: the norm is 0; m inf or NaN: it is m (PyTorch's propagation).
+    return jnp.where(good, m * root(t, p), jnp.where(m == 0, 0, m))
+
+
+# ----------------------------------------------------------------------------------------
+# Global norms (clip_by_global_norm, global_norm): one scalar over many leaves.
+
+
+def _bucketable(x: Array) -> bool:
+    """Whether ``x`` is small and whole on one device, so copying it costs no traffic."""
+    if x.size * x.dtype.itemsize > BUCKET_MAX_BYTES:
+        return False
+    try:
+        sharding = jax.typeof(x).sharding
+    except Exception:  # numpy arrays, Python scalars
+        return True
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "size", 0) <= 1:
+        return True
+    spec_axes: set[str] = set()
+    for entry in getattr(sharding, "spec", ()):
+        if entry is None:
+            continue
+        spec_axes.update(entry if isinstance(entry, tuple) else (entry,))
+    AxisType = jax.sharding.AxisType
+    for name, kind in zip(mesh.axis_names, mesh.axis_types):
+        if kind == AxisType.Manual:
+            continue  # inside shard_map: x is this device's local block
+        if kind == AxisType.Explicit and name not in spec_axes:
+            continue  # replicated along this axis
+        return False  # sharded, or Auto (placement decided later by XLA)
+    return True
+
+
+def _units(leaves: Sequence[Array], bucket: bool) -> list[Array]:
+    """The arrays to reduce: big or sharded leaves as they are, small ones concatenated."""
+    units: list[Array] = []
+    buckets: dict[np.dtype, list[Array]] = {}
+    for x in leaves:
+        x = jnp.asarray(x)
+        if x.size == 0:
+            continue
+        if bucket and _bucketable(x):
+            buckets.setdefault(np.dtype(x.dtype), []).append(x)
+        else:
+            units.append(x)
+    for group in buckets.values():
+        units.append(group[0] if len(group) == 1 else jnp.concatenate([g.ravel() for g in group]))
+    return units
+
+
+def _global_max(units: Sequence[Array], acc: np.dtype, axis_name: AxisName) -> Array:
+    m = jnp.zeros((), acc)
+    for u in units:
+        m = jnp.maximum(m, _max_abs(u, None, acc_dtype(u.dtype)).reshape(()).astype(acc))
+    return _pmax(m, axis_name)
+
+
+def global_norm(
+    leaves: Sequence[Array],
+    p: float,
+    *,
+    axis_name: AxisName = None,
+    bucket: bool = True,
+) -> Array:
+    """The p-norm of all ``leaves`` together, as if concatenated into one vector.
+
+    Args:
+      leaves: floating or complex arrays (already selected by ``need_clip``).
+      p: the norm type (> 0, or inf).
+      axis_name: mapped axis name(s) over which the leaves are shards (inside
+        ``shard_map``/``pmap``); partial sums are ``psum``-ed, maxima ``pmax``-ed.
+      bucket: concatenate small single-device leaves before reducing.
+
+    Returns:
+      A scalar in the widest accumulation dtype of the leaves (float32 at least).
+    """
+    acc = result_dtype(leaves)
+    units = _units(leaves, bucket)
+    if p == math.inf:
+        return _global_max(units, acc, axis_name)
+    s = jnp.zeros((), acc)
+    for u in units:
+        s = s + jnp.sum(_power_abs(u, p, acc_dtype(u.dtype))).astype(acc)
+    s = _psum(s, axis_name)
+
+    def scaled() -> Array:
+        m = _global_max(units, acc, axis_name)
+        d, _ = _safe_divisor(m)
+        t = jnp.zeros((), acc)
+        for u in units:
+            t = t + _scaled_sum(u, d, p, None).reshape(()).astype(acc)
+        return _unscale(m, _psum(t, axis_name), p)
+
+    return lax.cond(_exact_range(s), lambda: root(s, p), scaled)
+
+
+# ----------------------------------------------------------------------------------------
+# Scaling and checks shared by every mode.
+
+
+def clip_scale(norm: Array, clip_norm: Any) -> Array:
+    """``1`` where ``norm <= clip_norm``, else ``clip_norm / norm`` (0 for inf, NaN for NaN).
+
+    The division is guarded so that its derivative is finite when no clipping happens.
+    """
+    c = jnp.asarray(clip_norm, norm.dtype)
+    keep = norm <= c
+    return jnp.where(keep, jnp.ones_like(norm), c / jnp.where(keep, 1, norm))
+
+
+def apply_scale(x: Array, scale: Array) -> Array:
+    """``x * scale`` with one rounding into ``x.dtype``; a scale of 1 is bit-exact."""
+    acc = acc_dtype(x.dtype)
+    if jnp.iscomplexobj(x):
+        return (x * scale.astype(acc)).astype(x.dtype)
+    return (x.astype(acc) * scale.astype(acc)).astype(x.dtype)
+
+
+def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:
+    """Raises (eagerly, or from inside ``jit`` via a host callback) if a norm is not finite.
+
+    Under ``jit`` this adds a device-to-host transfer of the norms and a host
+    synchronisation per call; the error then surfaces as a ``JaxRuntimeError`` whose
+    message contains this one.
+    """
+
+    def check(*vals: Any) -> None:
+        for v, name in zip(vals, names):
+            v = np.asarray(v)
+            if not np.all(np.isfinite(v)):
+                raise FloatingPointError(
+                    f"jaxclip: the {name} is non-finite ({v.max() if v.size else v}): the "
+                    "gradients hold inf or NaN. Find where they come from, or pass "
+                    "error_if_nonfinite=False to let NaN/inf propagate as in PyTorch."
+                )
+
+    if all(not isinstance(v, jax.core.Tracer) for v in values):
+        check(*values)
+    else:
+        jax.debug.callback(check, *values)

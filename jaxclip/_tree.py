@@ -1,0 +1,209 @@
+"""Pytree plumbing: leaf paths, ``need_clip`` resolution and leaf checks.
+
+Every transformation resolves its ``need_clip`` here, once, at trace time, into a
+:class:`Selection`: the flat leaves, their ``/``-joined paths and a static bool per leaf.
+Unselected leaves are handed back as the very same objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import tree_util as jtu
+
+PyTree = Any
+NeedClip = Union[None, bool, PyTree, Callable[[str, Any], bool]]
+
+
+def key_str(key: Any) -> str:
+    """One path component as a string: dict key, sequence index or attribute name."""
+    if isinstance(key, jtu.DictKey):
+        return str(key.key)
+    if isinstance(key, jtu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jtu.GetAttrKey):
+        return key.name
+    if isinstance(key, jtu.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """A key path joined with ``/``, e.g. ``"encoder/0/kernel"``; ``""`` for the root."""
+    return "/".join(key_str(k) for k in path)
+
+
+def shown(path: str) -> str:
+    """A path as it appears in error messages."""
+    return repr(path) if path else "the root of the tree"
+
+
+def leaf_dtype(leaf: Any, path: str) -> np.dtype:
+    """The dtype of an array-like leaf, or a TypeError naming its path."""
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None:
+        return np.dtype(dtype)
+    try:
+        return np.dtype(jnp.result_type(leaf))
+    except TypeError as e:
+        raise TypeError(
+            f"jaxclip: the gradient leaf at {shown(path)} is a {type(leaf).__name__}, "
+            "not an array. Gradient pytrees may hold arrays, None and optax.MaskedNode; "
+            "move other objects out of the tree (for example with eqx.partition)."
+        ) from e
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """A flattened gradient tree with a static per-leaf ``need_clip`` decision."""
+
+    treedef: Any
+    leaves: list[Any]
+    paths: list[str]
+    selected: tuple[bool, ...]
+
+    @property
+    def indices(self) -> list[int]:
+        return [i for i, s in enumerate(self.selected) if s]
+
+    @property
+    def chosen(self) -> list[Any]:
+        """The selected leaves, in flat order."""
+        return [self.leaves[i] for i in self.indices]
+
+    @property
+    def chosen_paths(self) -> list[str]:
+        return [self.paths[i] for i in self.indices]
+
+    def rebuild(self, new_chosen: Sequence[Any]) -> PyTree:
+        """The tree with the selected leaves replaced, the others untouched."""
+        leaves = list(self.leaves)
+        for i, new in zip(self.indices, new_chosen, strict=True):
+            leaves[i] = new
+        return self.treedef.unflatten(leaves)
+
+    def per_leaf(self, values: Sequence[Any]) -> PyTree:
+        """A tree of the gradients' structure: ``values`` at selected leaves, None elsewhere."""
+        leaves: list[Any] = [None] * len(self.leaves)
+        for i, v in zip(self.indices, values, strict=True):
+            leaves[i] = v
+        return self.treedef.unflatten(leaves)
+
+
+def _mask_entries(
+    mask: PyTree, gpaths: list[tuple[Any, ...]], empty_paths: list[tuple[Any, ...]]
+) -> list[Any]:
+    """For each gradient leaf, the bool of the mask leaf whose key path is a prefix of its own."""
+    mflat, _ = jtu.tree_flatten_with_path(mask)
+    by_path: dict[tuple[Any, ...], Any] = {}
+    for mpath, m in mflat:
+        if not isinstance(m, (bool, np.bool_)) and not (
+            isinstance(m, (np.ndarray, jax.Array)) and m.shape == () and m.dtype == bool
+        ):
+            raise TypeError(
+                f"jaxclip: need_clip at {shown(path_str(mpath))} is {m!r} of type "
+                f"{type(m).__name__}; a need_clip tree holds Python bools (one per leaf, or one "
+                "for a whole subtree)."
+            )
+        by_path[tuple(mpath)] = bool(m)
+    used: set[tuple[Any, ...]] = set()
+    out = []
+    for gpath in gpaths:
+        for depth in range(len(gpath), -1, -1):
+            if gpath[:depth] in by_path:
+                used.add(gpath[:depth])
+                out.append(by_path[gpath[:depth]])
+                break
+        else:
+            raise ValueError(
+                f"jaxclip: need_clip has no entry for the gradient leaf at "
+                f"{shown(path_str(gpath))}. Give need_clip the structure of the gradients "
+                "(or a prefix of it, one bool per subtree), or pass a callable "
+                "need_clip(path, leaf) -> bool."
+            )
+    for mpath in by_path:
+        if mpath in used:
+            continue
+        # A mask entry may stand over a None / MaskedNode / empty subtree of the gradients.
+        if not any(e[: len(mpath)] == mpath or mpath[: len(e)] == e for e in empty_paths):
+            raise ValueError(
+                f"jaxclip: need_clip has an entry at {shown(path_str(mpath))} but the "
+                "gradients have no leaf there. Build need_clip from the gradients' (or the "
+                "params') structure, e.g. jax.tree.map(lambda _: True, params)."
+            )
+    return out
+
+
+def _is_empty_node(x: Any) -> bool:
+    return x is None or (isinstance(x, tuple) and len(jtu.tree_leaves(x)) == 0)
+
+
+def select(
+    tree: PyTree,
+    need_clip: NeedClip,
+    *,
+    allow_complex: bool = True,
+    what: str = "clipping",
+) -> Selection:
+    """Flattens ``tree`` and decides, statically, which leaves take part.
+
+    Args:
+      tree: the gradients (or params, in ``init``).
+      need_clip: None (every floating-point leaf), a bool pytree that is a prefix of
+        ``tree``, or a callable ``need_clip(path, leaf) -> bool``.
+      allow_complex: whether complex leaves may be selected (not for value clipping).
+      what: the operation, for error messages.
+
+    Returns:
+      The :class:`Selection`.
+
+    Raises:
+      ValueError: a need_clip tree that does not fit ``tree``.
+      TypeError: a callable returning a non-bool, or a selected integer/bool/complex leaf.
+    """
+    flat, treedef = jtu.tree_flatten_with_path(tree)
+    gpaths = [tuple(p) for p, _ in flat]
+    leaves = [x for _, x in flat]
+    paths = [path_str(p) for p in gpaths]
+    dtypes = [leaf_dtype(x, p) for x, p in zip(leaves, paths)]
+
+    if need_clip is None:
+        wanted = [jnp.issubdtype(d, jnp.inexact) for d in dtypes]
+    elif callable(need_clip):
+        wanted = []
+        for x, p in zip(leaves, paths):
+            w = need_clip(p, x)
+            if not isinstance(w, (bool, np.bool_)):
+                raise TypeError(
+                    f"jaxclip: need_clip({p!r}, leaf) returned {w!r} of type "
+                    f"{type(w).__name__}; it must return a Python bool (True to clip the leaf)."
+                )
+            wanted.append(bool(w))
+    else:
+        empty, _ = jtu.tree_flatten_with_path(tree, is_leaf=_is_empty_node)
+        empty_paths = [tuple(p) for p, x in empty if _is_empty_node(x)]
+        wanted = _mask_entries(need_clip, gpaths, empty_paths)
+
+    selected = []
+    for w, d, p in zip(wanted, dtypes, paths):
+        if d == jax.dtypes.float0:
+            selected.append(False)  # gradient of an integer input: nothing to clip
+            continue
+        if w and not jnp.issubdtype(d, jnp.inexact):
+            raise TypeError(
+                f"jaxclip: the leaf at {shown(p)} has dtype {d} and is selected for {what}; "
+                "only floating-point (or complex) gradients can be clipped. Exclude it with "
+                "need_clip, or cast it to a float dtype."
+            )
+        if w and not allow_complex and jnp.issubdtype(d, jnp.complexfloating):
+            raise TypeError(
+                f"jaxclip: the leaf at {shown(p)} is complex ({d}); {what} has no order on "
+                "complex numbers. Use clip_by_norm (which uses |x|), or exclude the leaf "
+                "with need_clip."
+            )
+        selected.append(bool(w))
+    return Selection(treedef, leaves, paths, tuple(selected))

@@ -1,0 +1,473 @@
+"""Value, norm and global-norm clipping: the ``clip_tree_*`` functions and their transforms.
+
+Each transformation is a thin wrapper: it validates its hyperparameters, closes over
+them, and delegates to the ``clip_tree_*`` function, which takes its selection from
+``_tree`` and its norms from ``_norms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxclip import _norms, _tree
+
+Array = jax.Array
+ArrayLike = jax.typing.ArrayLike
+PyTree = Any
+Axes = Union[None, int, Sequence[int]]
+
+__all__ = [
+    "ClipByGlobalNormState",
+    "ClipByNormState",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "clip_tree_by_global_norm",
+    "clip_tree_by_norm",
+    "clip_tree_by_value",
+    "global_norm",
+]
+
+
+class ClipByGlobalNormState(NamedTuple):
+    """State of :func:`clip_by_global_norm`.
+
+    Attributes:
+      global_norm: the pre-clip global norm of the last update (float32 scalar).
+    """
+
+    global_norm: Array
+
+
+class ClipByNormState(NamedTuple):
+    """State of :func:`clip_by_norm`.
+
+    Attributes:
+      norms: a tree of the updates' structure: per selected leaf, the largest pre-clip
+        norm of its slices (float32 scalar); None at leaves that are not selected.
+    """
+
+    norms: PyTree
+
+
+# ----------------------------------------------------------------------------------------
+# Hyperparameter checks (concrete values only: traced ones are the caller's business).
+
+
+def _concrete(value: Any) -> Optional[np.ndarray]:
+    if isinstance(value, jax.core.Tracer):
+        return None
+    return np.asarray(value)
+
+
+def _check_clip_norm(clip_norm: Any, name: str = "clip_norm") -> None:
+    v = _concrete(clip_norm)
+    if v is None:
+        return
+    if v.shape != ():
+        raise ValueError(f"jaxclip: {name} must be a scalar; got shape {v.shape}.")
+    if not v > 0:  # also catches NaN
+        raise ValueError(
+            f"jaxclip: {name}={clip_norm!r} must be > 0 (the largest norm the updates may "
+            "have after clipping); to turn clipping off, use float('inf')."
+        )
+
+
+def _value_bounds(max_value: Any, min_value: Any) -> tuple[Any, Any]:
+    if min_value is None:
+        vmax = _concrete(max_value)
+        if vmax is not None and not vmax > 0:
+            raise ValueError(
+                f"jaxclip: clip_by_value(max={max_value!r}) with min=None clips into "
+                "[-max, max], so max must be > 0; pass min explicitly for another range."
+            )
+        return -max_value, max_value
+    vmax, vmin = _concrete(max_value), _concrete(min_value)
+    if vmax is not None and vmin is not None and not vmin <= vmax:
+        raise ValueError(
+            f"jaxclip: clip_by_value got min={min_value!r} > max={max_value!r}; "
+            "min must be <= max (did you swap them?)."
+        )
+    return min_value, max_value
+
+
+def _check_axes(axes: Axes) -> Optional[tuple[int, ...]]:
+    if axes is None:
+        return None
+    seq = (axes,) if isinstance(axes, (int, np.integer)) else tuple(axes)
+    if not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in seq):
+        raise ValueError(f"jaxclip: axes={axes!r} must be an int or a sequence of ints.")
+    if len(set(seq)) != len(seq):
+        raise ValueError(f"jaxclip: axes={axes!r} names an axis twice.")
+    return tuple(int(a) for a in seq)
+
+
+def _leaf_axes(axes: Optional[tuple[int, ...]], leaf: Array, path: str) -> Optional[tuple]:
+    if axes is None:
+        return None
+    nd = leaf.ndim
+    if any(not -nd <= a < nd for a in axes):
+        raise ValueError(
+            f"jaxclip: axes={axes} is out of range for the leaf at {_tree.shown(path)}, "
+            f"which has shape {leaf.shape} ({nd} axes). Use axes valid for every selected "
+            "leaf, or exclude this one with need_clip."
+        )
+    normalized = tuple(sorted(a % nd for a in axes))
+    if len(set(normalized)) != len(normalized):
+        raise ValueError(
+            f"jaxclip: axes={axes} names one axis twice for the leaf at {_tree.shown(path)}."
+        )
+    return normalized
+
+
+# ----------------------------------------------------------------------------------------
+# The functions.
+
+
+def global_norm(
+    tree: PyTree,
+    norm_type: float = 2.0,
+    *,
+    need_clip: _tree.NeedClip = None,
+    axis_name: _norms.AxisName = None,
+) -> Array:
+    """The p-norm of all selected leaves of ``tree`` together.
+
+    Overflow- and underflow-safe: accumulated in float32 (float64 for float64 leaves),
+    with a scaled second pass only when the plain sum is out of exact range.
+
+    Args:
+      tree: a pytree of arrays.
+      norm_type: ``p > 0`` or ``float('inf')``.
+      need_clip: which leaves count (see :func:`clip_by_global_norm`).
+      axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over which
+        the leaves are sharded; partial norms are combined across them.
+
+    Returns:
+      A scalar (float32, or float64 when a leaf is float64).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxclip
+      >>> jaxclip.global_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0])})
+      Array(5., dtype=float32)
+      >>> jaxclip.global_norm([jnp.array([1e20, 1e20, 1e20, 1e20])])
+      Array(2.e+20, dtype=float32)
+    """
+    p = _norms.check_norm_type(norm_type)
+    sel = _tree.select(tree, need_clip, what="a global norm")
+    return _norms.global_norm([jnp.asarray(x) for x in sel.chosen], p, axis_name=axis_name)
+
+
+def clip_tree_by_value(
+    tree: PyTree, max: ArrayLike, min: Optional[ArrayLike] = None, *, need_clip: _tree.NeedClip = None
+) -> PyTree:
+    """Clips every selected element into ``[min, max]`` (``[-max, max]`` when min is None).
+
+    Args:
+      tree: a pytree of real floating-point arrays.
+      max: the upper bound.
+      min: the lower bound; None means ``-max`` (then ``max`` must be > 0).
+      need_clip: which leaves are clipped (see :func:`clip_by_value`).
+
+    Returns:
+      The clipped tree; unselected leaves are the very same objects.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxclip
+      >>> jaxclip.clip_tree_by_value({"w": jnp.array([-3.0, 0.5, 2.0])}, 1.0)
+      {'w': Array([-1. ,  0.5,  1. ], dtype=float32)}
+    """
+    lo, hi = _value_bounds(max, min)
+    sel = _tree.select(tree, need_clip, allow_complex=False, what="value clipping")
+
+    def clip(x: Array) -> Array:
+        x = jnp.asarray(x)
+        return jnp.clip(x, jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype))
+
+    return sel.rebuild([clip(x) for x in sel.chosen])
+
+
+def clip_tree_by_norm(
+    tree: PyTree,
+    clip_norm: ArrayLike,
+    *,
+    axes: Axes = None,
+    norm_type: float = 2.0,
+    need_clip: _tree.NeedClip = None,
+    error_if_nonfinite: bool = False,
+) -> tuple[PyTree, PyTree]:
+    """Scales each selected leaf (or each slice over ``axes``) to norm at most ``clip_norm``.
+
+    Args:
+      tree: a pytree of floating-point (or complex) arrays.
+      clip_norm: the largest norm allowed, > 0.
+      axes: the axes a norm is taken over, as ``tf.clip_by_norm``; None for the whole
+        leaf. Negative axes count from the end.
+      norm_type: ``p > 0`` or ``float('inf')``.
+      need_clip: which leaves are clipped (see :func:`clip_by_norm`).
+      error_if_nonfinite: raise if a norm is inf or NaN (a host sync per call).
+
+    Returns:
+      ``(clipped, norms)``: ``norms`` has the tree's structure with, per selected leaf,
+      its pre-clip norms with the ``axes`` dimensions removed (a scalar when
+      ``axes=None``), and None at unselected leaves.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxclip
+      >>> g = jnp.array([[3.0, 4.0], [0.3, 0.4]])
+      >>> clipped, norms = jaxclip.clip_tree_by_norm(g, 1.0, axes=1)
+      >>> clipped
+      Array([[0.6, 0.8],
+             [0.3, 0.4]], dtype=float32)
+      >>> norms
+      Array([5. , 0.5], dtype=float32)
+    """
+    _check_clip_norm(clip_norm)
+    p = _norms.check_norm_type(norm_type)
+    axes_t = _check_axes(axes)
+    sel = _tree.select(tree, need_clip, what="norm clipping")
+    xs = [jnp.asarray(x) for x in sel.chosen]
+    leaf_axes = [_leaf_axes(axes_t, x, path) for x, path in zip(xs, sel.chosen_paths)]
+    norms = _norms.slice_norms(xs, p, leaf_axes)
+    if error_if_nonfinite:
+        _norms.raise_if_nonfinite(
+            norms, [f"norm of the leaf at {_tree.shown(path)}" for path in sel.chosen_paths]
+        )
+    clipped = [_norms.apply_scale(x, _norms.clip_scale(n, clip_norm)) for x, n in zip(xs, norms)]
+    squeezed = [
+        jnp.squeeze(n, axis=a) if a is not None else n.reshape(()) for n, a in zip(norms, leaf_axes)
+    ]
+    return sel.rebuild(clipped), sel.per_leaf(squeezed)
+
+
+def clip_tree_by_global_norm(
+    tree: PyTree,
+    clip_norm: ArrayLike,
+    *,
+    norm_type: float = 2.0,
+    need_clip: _tree.NeedClip = None,
+    axis_name: _norms.AxisName = None,
+    use_norm: Optional[ArrayLike] = None,
+    error_if_nonfinite: bool = False,
+) -> tuple[PyTree, Array]:
+    """Scales all selected leaves together so that their joint norm is at most ``clip_norm``.
+
+    The counterpart of ``torch.nn.utils.clip_grad_norm_`` (which returns the total
+    norm) and ``tf.clip_by_global_norm`` (which returns ``(list, global_norm)``).
+
+    Args:
+      tree: a pytree of floating-point (or complex) arrays.
+      clip_norm: the largest global norm allowed, > 0.
+      norm_type: ``p > 0`` or ``float('inf')``.
+      need_clip: which leaves take part (see :func:`clip_by_global_norm`).
+      axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over which the
+        leaves are sharded.
+      use_norm: a global norm computed already (as in TensorFlow); it is used as is.
+      error_if_nonfinite: raise if the global norm is inf or NaN (a host sync per call).
+
+    Returns:
+      ``(clipped, global_norm)``, the norm before clipping (float32, or float64 when a
+      leaf is float64; ``use_norm`` when given).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxclip
+      >>> grads = [jnp.array([3.0, 0.0]), jnp.array([0.0, 4.0])]
+      >>> clipped, norm = jaxclip.clip_tree_by_global_norm(grads, 1.0)
+      >>> norm
+      Array(5., dtype=float32)
+      >>> clipped
+      [Array([0.6, 0. ], dtype=float32), Array([0. , 0.8], dtype=float32)]
+    """
+    _check_clip_norm(clip_norm)
+    p = _norms.check_norm_type(norm_type)
+    sel = _tree.select(tree, need_clip, what="global-norm clipping")
+    xs = [jnp.asarray(x) for x in sel.chosen]
+    if use_norm is None:
+        norm = _norms.global_norm(xs, p, axis_name=axis_name)
+    else:
+        norm = jnp.asarray(use_norm, _norms.result_dtype(xs))
+    if error_if_nonfinite:
+        _norms.raise_if_nonfinite([norm], ["global norm"])
+    scale = _norms.clip_scale(norm, clip_norm)
+    return sel.rebuild([_norms.apply_scale(x, scale) for x in xs]), norm
+
+
+# ----------------------------------------------------------------------------------------
+# The transformations.
+
+
+def clip_by_value(
+    max: ArrayLike, min: Optional[ArrayLike] = None, *, need_clip: _tree.NeedClip = None
+) -> optax.GradientTransformation:
+    """Clips updates element-wise into ``[min, max]``.
+
+    The counterpart of Paddle's ``ClipGradByValue(max, min, need_clip)``, PyTorch's
+    ``clip_grad_value_`` (``min=None``), ``tf.clip_by_value`` and ``optax.clip``.
+
+    Args:
+      max: the upper bound.
+      min: the lower bound; None means ``-max``, and then ``max`` must be > 0.
+      need_clip: which leaves are clipped: None (every floating-point leaf), a pytree
+        of bools with the updates' structure or a prefix of it (Paddle's
+        ``ParamAttr(need_clip=...)``), or a callable ``need_clip(path, leaf) -> bool``
+        where ``path`` is ``"/"``-joined, e.g. ``"linear/bias"``.
+
+    Returns:
+      An ``optax.GradientTransformation`` with ``optax.EmptyState``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxclip
+      >>> tx = optax.chain(jaxclip.clip_by_value(1.0), optax.sgd(0.1))
+      >>> params = {"w": jnp.zeros(2)}
+      >>> updates, _ = tx.update({"w": jnp.array([5.0, -0.5])}, tx.init(params))
+      >>> updates
+      {'w': Array([-0.1 ,  0.05], dtype=float32)}
+    """
+    _value_bounds(max, min)
+
+    def update_fn(updates: PyTree, state: optax.EmptyState, params: Any = None):
+        del params
+        return clip_tree_by_value(updates, max, min, need_clip=need_clip), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def clip_by_norm(
+    clip_norm: ArrayLike,
+    *,
+    axes: Axes = None,
+    norm_type: float = 2.0,
+    need_clip: _tree.NeedClip = None,
+    error_if_nonfinite: bool = False,
+) -> optax.GradientTransformation:
+    """Scales each update leaf (or each slice over ``axes``) to norm at most ``clip_norm``.
+
+    A leaf (slice) with norm ``n <= clip_norm`` is returned bit for bit; otherwise it
+    is multiplied by ``clip_norm / n``. The counterpart of Paddle's
+    ``ClipGradByNorm(clip_norm, need_clip)`` and ``tf.clip_by_norm(t, clip_norm, axes)``.
+
+    Args:
+      clip_norm: the largest norm allowed, > 0 (a Python number or a JAX array).
+      axes: the axes a norm is taken over; None (default) for the whole leaf,
+        ``axes=1`` for per-row norms of a matrix, as ``tf.clip_by_norm``.
+      norm_type: ``p > 0`` or ``float('inf')``.
+      need_clip: which leaves are clipped (see :func:`clip_by_value`).
+      error_if_nonfinite: raise, also under ``jit``, when a norm is inf or NaN; costs a
+        device-to-host transfer and a sync per step.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`ClipByNormState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxclip
+      >>> tx = jaxclip.clip_by_norm(1.0)
+      >>> grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([0.5])}
+      >>> updates, state = tx.update(grads, tx.init(grads))
+      >>> updates["w"], updates["b"]
+      (Array([0.6, 0.8], dtype=float32), Array([0.5], dtype=float32))
+      >>> float(state.norms["w"])
+      5.0
+
+    References:
+      Pascanu et al., `On the difficulty of training Recurrent Neural Networks
+      <https://arxiv.org/abs/1211.5063>`_, 2013
+    """
+    _check_clip_norm(clip_norm)
+    _norms.check_norm_type(norm_type)
+    _check_axes(axes)
+
+    def init_fn(params: PyTree) -> ClipByNormState:
+        sel = _tree.select(params, need_clip, what="norm clipping")
+        return ClipByNormState(sel.per_leaf([jnp.zeros((), jnp.float32) for _ in sel.indices]))
+
+    def update_fn(updates: PyTree, state: ClipByNormState, params: Any = None):
+        del params, state
+        clipped, norms = clip_tree_by_norm(
+            updates,
+            clip_norm,
+            axes=axes,
+            norm_type=norm_type,
+            need_clip=need_clip,
+            error_if_nonfinite=error_if_nonfinite,
+        )
+        largest = jax.tree.map(lambda n: jnp.max(n, initial=0).astype(jnp.float32), norms)
+        return clipped, ClipByNormState(largest)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def clip_by_global_norm(
+    clip_norm: ArrayLike,
+    *,
+    norm_type: float = 2.0,
+    need_clip: _tree.NeedClip = None,
+    axis_name: _norms.AxisName = None,
+    error_if_nonfinite: bool = False,
+) -> optax.GradientTransformation:
+    """Scales all selected updates together so that their joint norm is at most ``clip_norm``.
+
+    With ``n`` the norm of all selected leaves as one vector: if ``n <= clip_norm`` the
+    updates are returned bit for bit, else multiplied by ``clip_norm / n`` (no epsilon:
+    Paddle and TensorFlow agree exactly, PyTorch to within its ``1e-6``). The pre-clip
+    norm is kept in the state, so ``optax.tree.get(state, "global_norm")`` logs it.
+
+    The counterpart of Paddle's ``ClipGradByGlobalNorm``, PyTorch's
+    ``clip_grad_norm_(params, max_norm, norm_type)``, ``tf.clip_by_global_norm`` and
+    ``optax.clip_by_global_norm``.
+
+    Args:
+      clip_norm: the largest global norm allowed, > 0 (a number or a JAX array, traced
+        ones included, so ``optax.inject_hyperparams`` can schedule it).
+      norm_type: ``p > 0`` or ``float('inf')``, as PyTorch's ``norm_type``.
+      need_clip: which leaves take part (see :func:`clip_by_value`); the others are
+        left out of the norm and returned untouched.
+      axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over which the
+        updates are sharded; not needed under ``jit`` with sharded arrays.
+      error_if_nonfinite: raise, also under ``jit``, when the global norm is inf or NaN;
+        costs a device-to-host transfer and a sync per step.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`ClipByGlobalNormState`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxclip
+      >>> tx = optax.chain(jaxclip.clip_by_global_norm(1.0), optax.sgd(1.0))
+      >>> params = {"w": jnp.zeros(2), "b": jnp.zeros(1)}
+      >>> state = tx.init(params)
+      >>> grads = {"w": jnp.array([3.0, 0.0]), "b": jnp.array([4.0])}
+      >>> updates, state = jax.jit(tx.update)(grads, state)
+      >>> updates["w"], updates["b"]
+      (Array([-0.6, -0. ], dtype=float32), Array([-0.8], dtype=float32))
+      >>> optax.tree.get(state, "global_norm")
+      Array(5., dtype=float32)
+
+    References:
+      Pascanu et al., `On the difficulty of training Recurrent Neural Networks
+      <https://arxiv.org/abs/1211.5063>`_, 2013
+    """
+    _check_clip_norm(clip_norm)
+    _norms.check_norm_type(norm_type)
+
+    def init_fn(params: PyTree) -> ClipByGlobalNormState:
+        del params
+        return ClipByGlobalNormState(jnp.zeros((), jnp.float32))
+
+    def update_fn(updates: PyTree, state: ClipByGlobalNormState, params: Any = None):
+        del params, state
+        clipped, norm = clip_tree_by_global_norm(
+            updates,
+            clip_norm,
+            norm_type=norm_type,
+            need_clip=need_clip,
+            axis_name=axis_name,
+            error_if_nonfinite=error_if_nonfinite,
+        )
+        return clipped, ClipByGlobalNormState(norm.astype(jnp.float32))
+
+    return optax.GradientTransformation(init_fn, update_fn)
