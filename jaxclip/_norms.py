@@ -48,8 +48,29 @@ def result_dtype(leaves: Sequence[Any]) -> np.dtype:
     return np.dtype(np.float32)
 
 
+class _Euclidean:
+    """The default ``norm_type``: 2.0, but not a float, so that
+    ``optax.inject_hyperparams`` keeps it static instead of turning it into an array."""
+
+    def __float__(self) -> float:
+        return 2.0
+
+    def __repr__(self) -> str:
+        return "2.0"
+
+
+#: Default ``norm_type`` of every norm-based mode (the Euclidean norm).
+L2: Any = _Euclidean()
+
+
 def check_norm_type(norm_type: Any) -> float:
     """``norm_type`` as a float, or a ValueError saying what is accepted."""
+    if isinstance(norm_type, jax.core.Tracer):
+        raise ValueError(
+            "jaxclip: norm_type must be a static Python number, not a traced array (it "
+            "decides the computation). With optax.inject_hyperparams, pass "
+            "static_args=('norm_type',)."
+        )
     try:
         p = float(norm_type)
     except (TypeError, ValueError) as e:

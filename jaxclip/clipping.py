@@ -132,7 +132,7 @@ def _leaf_axes(axes: Optional[tuple[int, ...]], leaf: Array, path: str) -> Optio
 
 def global_norm(
     tree: PyTree,
-    norm_type: float = 2.0,
+    norm_type: float = _norms.L2,
     *,
     need_clip: _tree.NeedClip = None,
     axis_name: _norms.AxisName = None,
@@ -198,7 +198,7 @@ def clip_tree_by_norm(
     clip_norm: ArrayLike,
     *,
     axes: Axes = None,
-    norm_type: float = 2.0,
+    norm_type: float = _norms.L2,
     need_clip: _tree.NeedClip = None,
     error_if_nonfinite: bool = False,
 ) -> tuple[PyTree, PyTree]:
@@ -250,7 +250,7 @@ def clip_tree_by_global_norm(
     tree: PyTree,
     clip_norm: ArrayLike,
     *,
-    norm_type: float = 2.0,
+    norm_type: float = _norms.L2,
     need_clip: _tree.NeedClip = None,
     axis_name: _norms.AxisName = None,
     use_norm: Optional[ArrayLike] = None,
@@ -342,7 +342,7 @@ def clip_by_norm(
     clip_norm: ArrayLike,
     *,
     axes: Axes = None,
-    norm_type: float = 2.0,
+    norm_type: float = _norms.L2,
     need_clip: _tree.NeedClip = None,
     error_if_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
@@ -405,7 +405,7 @@ def clip_by_norm(
 def clip_by_global_norm(
     clip_norm: ArrayLike,
     *,
-    norm_type: float = 2.0,
+    norm_type: float = _norms.L2,
     need_clip: _tree.NeedClip = None,
     axis_name: _norms.AxisName = None,
     error_if_nonfinite: bool = False,

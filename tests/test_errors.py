@@ -1,0 +1,84 @@
+"""Bad input is a clear error naming the leaf path and what to change."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxclip
+
+GRADS = {"encoder": [{"kernel": jnp.ones((2, 3))}], "bias": jnp.ones(3)}
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: jaxclip.clip_by_global_norm(0.0), r"clip_norm=0.0 must be > 0"),
+        (lambda: jaxclip.clip_by_global_norm(-1.0), r"must be > 0"),
+        (lambda: jaxclip.clip_by_global_norm(float("nan")), r"must be > 0"),
+        (lambda: jaxclip.clip_by_norm(jnp.array(-2.0)), r"must be > 0"),
+        (lambda: jaxclip.clip_by_value(max=-1.0, min=1.0), r"min=1.0 > max=-1.0"),
+        (lambda: jaxclip.clip_by_value(max=0.0), r"max must be > 0"),
+        (lambda: jaxclip.clip_by_value(max=-1.0), r"max must be > 0"),
+        (lambda: jaxclip.clip_by_global_norm(1.0, norm_type=0.0), r"norm_type=0.0 is not a valid norm"),
+        (lambda: jaxclip.clip_by_global_norm(1.0, norm_type=-2), r"not a valid norm"),
+        (lambda: jaxclip.clip_by_norm(1.0, norm_type=float("nan")), r"not a valid norm"),
+        (lambda: jaxclip.clip_by_norm(1.0, norm_type="fro"), r"not a number"),
+        (lambda: jaxclip.clip_by_norm(1.0, axes=[1, 1]), r"names an axis twice"),
+        (lambda: jaxclip.clip_by_norm(1.0, axes=[0.5]), r"int or a sequence of ints"),
+    ],
+)
+def test_construction_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_mask_missing_a_leaf_names_it():
+    tx = jaxclip.clip_by_global_norm(1.0, need_clip={"encoder": [{"weight": True}], "bias": True})
+    with pytest.raises(ValueError, match=r"no entry for the gradient leaf at 'encoder/0/kernel'"):
+        tx.update(GRADS, tx.init(GRADS))
+
+
+def test_mask_with_extra_entry_names_it():
+    mask = {"encoder": [{"kernel": True}], "bias": True, "head": False}
+    with pytest.raises(ValueError, match=r"entry at 'head' but the gradients have no leaf there"):
+        jaxclip.clip_tree_by_value(GRADS, 1.0, need_clip=mask)
+
+
+def test_mask_with_non_bool_entry_names_it():
+    with pytest.raises(TypeError, match=r"need_clip at 'bias' is 1 of type int"):
+        jaxclip.clip_tree_by_norm(GRADS, 1.0, need_clip={"encoder": True, "bias": 1})
+
+
+def test_callable_returning_non_bool_names_path():
+    with pytest.raises(TypeError, match=r"need_clip\('bias', leaf\) returned 'yes'"):
+        jaxclip.global_norm(GRADS, need_clip=lambda path, leaf: "yes")
+
+
+def test_axes_out_of_range_names_leaf():
+    tx = jaxclip.clip_by_norm(1.0, axes=1)
+    with pytest.raises(ValueError, match=r"out of range for the leaf at 'bias', which has shape \(3,\)"):
+        jax.jit(tx.update)(GRADS, tx.init(GRADS))
+
+
+def test_integer_leaf_selected_names_path():
+    grads = {"w": jnp.ones(2), "step": jnp.array(3, jnp.int32)}
+    with pytest.raises(TypeError, match=r"leaf at 'step' has dtype int32 and is selected"):
+        jaxclip.clip_tree_by_global_norm(grads, 1.0, need_clip=lambda p, x: True)
+    with pytest.raises(TypeError, match=r"leaf at 'flag' has dtype bool"):
+        jaxclip.clip_tree_by_value({"flag": jnp.array(True)}, 1.0, need_clip=True)
+    # need_clip=None selects floating-point leaves only: the integer leaf passes through.
+    out, _ = jaxclip.clip_tree_by_global_norm(grads, 1.0)
+    assert out["step"] is grads["step"]
+
+
+def test_complex_leaf_in_value_clipping():
+    with pytest.raises(TypeError, match=r"leaf at 'z' is complex"):
+        jaxclip.clip_tree_by_value({"z": jnp.ones(2, jnp.complex64)}, 1.0)
+
+
+def test_non_array_leaf_names_path():
+    with pytest.raises(TypeError, match=r"leaf at 'name' is a str"):
+        jaxclip.global_norm({"name": "kernel", "w": np.ones(2)})
