@@ -112,6 +112,35 @@ def _power_abs(x: Array, p: float, acc: np.dtype) -> Array:
     return _power(_abs(x, acc), p)
 
 
+def _reduce(x: Array, v: Array, axes: Optional[tuple[int, ...]], op: str) -> Array:
+    """Sum or max of ``v`` (computed from ``x``) over ``axes`` with keepdims, in one pass.
+
+    XLA:CPU's library reduction kernels cannot fuse an f16 -> f32 convert and would
+    materialise a widened copy of the leaf; XLA fuses it into a variadic reduce of its
+    own. For f16 leaves the reduce therefore also takes ``min |x|``, tied into the
+    result (``min >= 0`` unless NaN, when the result is NaN anyway) so that it is not
+    simplified back into a plain one.
+    """
+    if x.dtype != np.float16:
+        return (jnp.sum if op == "sum" else jnp.max)(v, axis=axes, keepdims=True)
+    dims = tuple(range(x.ndim)) if axes is None else axes
+    zero = jnp.zeros((), v.dtype)
+    combine = jnp.add if op == "sum" else jnp.maximum
+    r, low = lax.reduce(
+        (v, _abs(x, v.dtype)),
+        (zero, jnp.asarray(jnp.inf, v.dtype)),
+        lambda a, b: (combine(a[0], b[0]), jnp.minimum(a[1], b[1])),
+        dims,
+    )
+    r = jnp.where(low >= 0, r, jnp.nan)
+    return r.reshape(tuple(1 if i in dims else d for i, d in enumerate(x.shape)))
+
+
+def _power_sum(x: Array, p: float, axes: Optional[tuple[int, ...]], acc: np.dtype) -> Array:
+    """``sum |x|^p`` over ``axes`` (keepdims), accumulated in ``acc``."""
+    return _reduce(x, _power_abs(x, p, acc), axes, "sum")
+
+
 def root(s: Array, p: float) -> Array:
     """s**(1/p) with finite derivatives at s == 0; NaN and inf pass through."""
     if p == 1.0:
@@ -136,6 +165,17 @@ def _safe_divisor(m: Array) -> tuple[Array, Array]:
     """(m where it is positive and finite else 1, that mask)."""
     good = (m > 0) & jnp.isfinite(m)
     return jnp.where(good, m, 1), good
+
+
+def _reduction_view(arrays: Sequence[Array]) -> list[Array]:
+    """The arrays behind an optimisation barrier, for the reductions to read.
+
+    When a leaf feeds both a reduction and the scaling pass, XLA:CPU materialises its
+    float32 upcast once for both (a full widened copy of bf16/f16 gradients). Reading
+    the reductions through a barrier (a no-op alias) keeps each upcast fused into its
+    own consumer, so no temporary exists.
+    """
+    return list(lax.optimization_barrier(list(arrays))) if arrays else []
 
 
 def _axis_size_known(axis_name: AxisName) -> bool:
@@ -170,10 +210,11 @@ def slice_norms(
     if not leaves:
         return []
     accs = [acc_dtype(x.dtype) for x in leaves]
+    leaves = _reduction_view(leaves)
     if p == math.inf:
         return [_max_abs(x, a, acc) for x, a, acc in zip(leaves, axes, accs)]
     sums = [
-        jnp.sum(_power_abs(x, p, acc), axis=a, keepdims=True)
+        _power_sum(x, p, a, acc)
         for x, a, acc in zip(leaves, axes, accs)
     ]
     oks = [_exact_range(s) for s in sums]
@@ -186,6 +227,7 @@ def slice_norms(
         out = []
         for x, a, acc, s, ok in zip(leaves, axes, accs, sums, oks):
             m = _max_abs(x, a, acc)
+            x, m = lax.optimization_barrier((x, m))  # a second, separately fused read
             n = _unscale(m, _scaled_sum(x, _safe_divisor(m)[0], p, a), p)
             out.append(jnp.where(ok, root(s, p), n))
         return out
@@ -197,13 +239,13 @@ def _max_abs(x: Array, axes: Optional[tuple[int, ...]], acc: np.dtype) -> Array:
     if x.size == 0:
         shape = tuple(1 if (axes is None or i in axes) else d for i, d in enumerate(x.shape))
         return jnp.zeros(shape, acc)
-    return jnp.max(_abs(x, acc), axis=axes, keepdims=True)
+    return _reduce(x, _abs(x, acc), axes, "max")
 
 
 def _scaled_sum(x: Array, d: Array, p: float, axes: Optional[tuple[int, ...]]) -> Array:
     """``sum (|x|/d)^p`` over ``axes`` (keepdims), in the leaf's accumulation dtype."""
     acc = acc_dtype(x.dtype)
-    return jnp.sum(_power(_abs(x, acc) / d.astype(acc), p), axis=axes, keepdims=True)
+    return _reduce(x, _power(_abs(x, acc) / d.astype(acc), p), axes, "sum")
 
 
 def _unscale(m: Array, t: Array, p: float) -> Array:
@@ -287,19 +329,20 @@ def global_norm(
       A scalar in the widest accumulation dtype of the leaves (float32 at least).
     """
     acc = result_dtype(leaves)
-    units = _units(leaves, bucket)
+    units = _reduction_view(_units(leaves, bucket))
     if p == math.inf:
         return _global_max(units, acc, axis_name)
     s = jnp.zeros((), acc)
     for u in units:
-        s = s + jnp.sum(_power_abs(u, p, acc_dtype(u.dtype))).astype(acc)
+        s = s + _power_sum(u, p, None, acc_dtype(u.dtype)).reshape(()).astype(acc)
     s = _psum(s, axis_name)
 
     def scaled() -> Array:
         m = _global_max(units, acc, axis_name)
+        again, m = lax.optimization_barrier((units, m))  # a second, separately fused read
         d, _ = _safe_divisor(m)
         t = jnp.zeros((), acc)
-        for u in units:
+        for u in again:
             t = t + _scaled_sum(u, d, p, None).reshape(()).astype(acc)
         return _unscale(m, _psum(t, axis_name), p)
 
