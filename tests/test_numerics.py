@@ -1,0 +1,153 @@
+"""Numerics: low precision, overflow, underflow, non-finite values, derivatives, memory."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxclip
+import reference as ref
+
+P_ALL = [1.0, 2.0, 3.0, 0.5, math.inf]
+
+# The regression table of the numerics issue: optax 0.2.8 returns zeros or unclipped values.
+TABLE = [
+    ("bf16-3e19", jnp.bfloat16, 3e19, 4, 1.0),
+    ("f16-100", jnp.float16, 100.0, 9, 1.0),
+    ("f32-1e20", jnp.float32, 1e20, 4, 1.0),
+    ("f32-1e-25", jnp.float32, 1e-25, 4, 1e-26),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(mode: str, p: float, c: float):
+    fns = {
+        "global": lambda g: jaxclip.clip_tree_by_global_norm(g, c, norm_type=p),
+        "norm": lambda g: jaxclip.clip_tree_by_norm(g, c, norm_type=p),
+        "norm_axes": lambda g: jaxclip.clip_tree_by_norm(g, c, norm_type=p, axes=-1),
+    }
+    return jax.jit(fns[mode])
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("mode", ["global", "norm", "norm_axes"])
+@pytest.mark.parametrize("name, dtype, value, n, c", TABLE, ids=[t[0] for t in TABLE])
+def test_regression_table(name, dtype, value, n, c, mode, jit):
+    g = jnp.full((n,), value, dtype)
+    for p in P_ALL:
+        f = _jitted(mode, p, c) if jit else _jitted(mode, p, c).__wrapped__
+        out, norm = f(g)
+        expected_norm = ref.norm([g], p)
+        np.testing.assert_allclose(ref.f64(norm).max(), expected_norm, rtol=4e-6)
+        expected = ref.f64(jnp.asarray(ref.f64(g) * ref.scale(expected_norm, c), dtype))
+        np.testing.assert_allclose(ref.f64(out), expected, rtol=float(jnp.finfo(dtype).eps))
+        assert out.dtype == dtype
+    if mode == "global":
+        np.testing.assert_allclose(jaxclip.global_norm(g), ref.norm([g], 2.0), rtol=4e-6)
+    # The exact values the issue names, for p = 2.
+    out, _ = _jitted(mode, 2.0, c)(g)
+    want = {"bf16-3e19": 0.5, "f16-100": 1 / 3, "f32-1e20": 0.5, "f32-1e-25": 5e-27}[name]
+    np.testing.assert_allclose(ref.f64(out), want, rtol=float(jnp.finfo(dtype).eps))
+
+
+@pytest.mark.parametrize("name, dtype, value, n, c", TABLE, ids=[t[0] for t in TABLE])
+def test_naive_norm_fails_on_table(name, dtype, value, n, c):
+    """The rows are real regressions: the naive sqrt(sum(x*x)) in the leaf dtype is wrong."""
+    g = jnp.full((n,), value, dtype)
+    naive = float(jnp.sqrt(jnp.sum(g * g)))
+    assert not np.isclose(naive, ref.norm([g], 2.0), rtol=1e-3, atol=0.0)
+
+
+@pytest.mark.parametrize("mode", ["global", "norm"])
+def test_grad_at_zero_is_identity(mode):
+    w = jnp.arange(1.0, 5.0)
+
+    def loss(g):
+        out, _ = _jitted(mode, 2.0, 1.0).__wrapped__(g)
+        return jnp.sum(out * w)
+
+    grad = jax.grad(loss)(jnp.zeros(4))
+    np.testing.assert_array_equal(grad, w)
+    tangent = jnp.array([1.0, -2.0, 0.5, 3.0])
+    _, jvp = jax.jvp(lambda g: _jitted(mode, 2.0, 1.0).__wrapped__(g)[0], (jnp.zeros(4),), (tangent,))
+    np.testing.assert_array_equal(jvp, tangent)
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 3.0, 0.5])
+@pytest.mark.parametrize("mode", ["global", "norm"])
+def test_derivatives_match_finite_differences(mode, p):
+    with jax.enable_x64(True):
+        g0 = jnp.array([0.3, -1.2, 2.0, 0.7], jnp.float64)  # norm well above the threshold
+        f = lambda g: _jitted(mode, p, 1.0).__wrapped__(g)[0]  # noqa: E731
+        w = jnp.array([1.0, 2.0, -1.0, 0.5], jnp.float64)
+        grad = jax.grad(lambda g: jnp.sum(f(g) * w))(g0)
+        assert np.all(np.isfinite(grad))
+        h = 1e-6
+        for i in range(4):
+            e = jnp.zeros(4, jnp.float64).at[i].set(h)
+            fd = (jnp.sum(f(g0 + e) * w) - jnp.sum(f(g0 - e) * w)) / (2 * h)
+            np.testing.assert_allclose(grad[i], fd, rtol=1e-6, atol=1e-9)
+        t = jnp.array([0.1, 0.2, -0.3, 0.4], jnp.float64)
+        _, jvp = jax.jvp(f, (g0,), (t,))
+        fd = (f(g0 + h * t) - f(g0 - h * t)) / (2 * h)
+        np.testing.assert_allclose(jvp, fd, rtol=1e-6, atol=1e-9)
+
+
+def test_nonfinite_propagates_as_in_pytorch():
+    g = [jnp.array([1.0, jnp.inf]), jnp.array([2.0])]
+    out, n = jaxclip.clip_tree_by_global_norm(g, 1.0)
+    assert float(n) == math.inf
+    np.testing.assert_array_equal(out[1], [0.0])  # scale 0, as torch: 1 / (inf + 1e-6)
+    assert np.isnan(out[0][1])
+    out, n = jaxclip.clip_tree_by_global_norm([jnp.array([1.0, jnp.nan])], 1.0)
+    assert np.isnan(n) and np.all(np.isnan(out[0]))
+    out, norms = jaxclip.clip_tree_by_norm({"a": jnp.array([jnp.nan, 1.0]), "b": jnp.array([3.0, 4.0])}, 1.0)
+    assert np.all(np.isnan(out["a"])) and np.isnan(norms["a"])
+    np.testing.assert_allclose(out["b"], [0.6, 0.8], rtol=1e-6)
+
+
+def test_error_if_nonfinite_eager_and_jit():
+    bad = {"enc": {"w": jnp.array([1.0, jnp.nan])}, "b": jnp.array([1.0])}
+    with pytest.raises(FloatingPointError, match="global norm is non-finite"):
+        jaxclip.clip_tree_by_global_norm(bad, 1.0, error_if_nonfinite=True)
+    tx = jaxclip.clip_by_global_norm(1.0, error_if_nonfinite=True)
+    with pytest.raises(Exception, match="global norm is non-finite"):
+        jax.block_until_ready(jax.jit(tx.update)(bad, tx.init(bad)))
+    tx = jaxclip.clip_by_norm(1.0, error_if_nonfinite=True)
+    with pytest.raises(Exception, match="norm of the leaf at 'enc/w' is non-finite"):
+        jax.block_until_ready(jax.jit(tx.update)(bad, tx.init(bad)))
+    good = {"enc": {"w": jnp.array([3.0, 4.0])}, "b": jnp.array([1.0])}
+    out, _ = jax.jit(tx.update)(good, tx.init(good))
+    np.testing.assert_allclose(out["enc"]["w"], [0.6, 0.8], rtol=1e-6)
+
+
+def test_complex_leaves_use_modulus():
+    z = jnp.array([3 + 4j, 0 + 0j, 1e20 + 1e20j], jnp.complex64)
+    for p in P_ALL:
+        n = jaxclip.global_norm([z], p)
+        np.testing.assert_allclose(n, ref.norm([z], p), rtol=4e-6)
+    out, _ = jaxclip.clip_tree_by_global_norm([z], 1.0)
+    np.testing.assert_allclose(ref.f64(out[0]), ref.f64(z) / ref.norm([z], 2.0), rtol=2e-6)
+    assert out[0].dtype == jnp.complex64
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("mode", ["global", "norm", "norm_axes", "global_inf", "global_p3"])
+def test_no_upcast_copy_in_temporaries(mode, dtype):
+    g = {"a": jnp.ones((512, 512), dtype), "b": jnp.ones((256, 512), dtype)}
+    f = {
+        "global": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0),
+        "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0),
+        "norm_axes": lambda g: jaxclip.clip_tree_by_norm(g, 1.0, axes=1),
+        "global_inf": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0, norm_type=math.inf),
+        "global_p3": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0, norm_type=3.0),
+    }[mode]
+    temp = jax.jit(f).lower(g).compile().memory_analysis().temp_size_in_bytes
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(g))
+    # A widened copy of either leaf would be >= 33% of the gradient bytes.
+    assert temp <= 0.02 * nbytes, (temp, nbytes)
