@@ -195,18 +195,58 @@ def _pmax(x: Array, axis_name: AxisName) -> Array:
 
 
 def slice_norms(
-    leaves: Sequence[Array], p: float, axes: Sequence[Optional[tuple[int, ...]]]
+    leaves: Sequence[Array],
+    p: float,
+    axes: Sequence[Optional[tuple[int, ...]]],
+    *,
+    bucket: bool = True,
 ) -> list[Array]:
     """Norms of each leaf over its ``axes`` (all axes when None), with ``keepdims``.
+
+    Small whole-leaf norms are computed in buckets: leaves of one dtype and size class
+    (the next power of two) are zero-padded into the rows of one matrix, whose row norms
+    are one reduction, so a thousand small leaves compile to a few kernels.
 
     Args:
       leaves: floating or complex arrays.
       p: the norm type (> 0, or inf).
       axes: per leaf, the axes to reduce (normalised, non-negative), or None for all.
+      bucket: bucket small single-device leaves whose ``axes`` is None.
 
     Returns:
       Per leaf, an array broadcastable against it, in its accumulation dtype.
     """
+    units: list[Array] = []
+    unit_axes: list[Optional[tuple[int, ...]]] = []
+    where: list[tuple[int, int]] = []  # per leaf: (unit, row), row -1 for a whole unit
+    groups: dict[tuple[np.dtype, int], list[int]] = {}
+    for i, (x, a) in enumerate(zip(leaves, axes)):
+        if bucket and a is None and 0 < x.size and _bucketable(x):
+            groups.setdefault((np.dtype(x.dtype), 1 << (x.size - 1).bit_length()), []).append(i)
+            where.append((-1, -1))
+        else:
+            where.append((len(units), -1))
+            units.append(x)
+            unit_axes.append(a)
+    for (_, width), members in groups.items():
+        rows = []
+        for row, i in enumerate(members):
+            x = leaves[i].ravel()
+            rows.append(x if x.size == width else jnp.pad(x, (0, width - x.size)))
+            where[i] = (len(units), row)
+        units.append(jnp.stack(rows) if len(rows) > 1 else rows[0][None])
+        unit_axes.append((1,))
+    norms = _unit_norms(units, p, unit_axes)
+    out = []
+    for x, (u, row) in zip(leaves, where):
+        out.append(norms[u] if row < 0 else norms[u][row].reshape((1,) * x.ndim))
+    return out
+
+
+def _unit_norms(
+    leaves: Sequence[Array], p: float, axes: Sequence[Optional[tuple[int, ...]]]
+) -> list[Array]:
+    """Norms over ``axes`` (keepdims) of each array, overflow-safe, with one shared cond."""
     if not leaves:
         return []
     accs = [acc_dtype(x.dtype) for x in leaves]
