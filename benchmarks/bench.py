@@ -32,7 +32,8 @@ CLIP = 1.0
 
 
 def trees(quick: bool) -> dict[str, dict[str, jax.Array]]:
-    """(a) 10 large leaves, (b) a transformer-shaped tree, (c) 1000 small leaves, (d) (c) in bf16."""
+    """(a) 10 large leaves, (b) a transformer-shaped tree, (c) 1000 small leaves (250 with
+    --quick), (d) (c) in bf16."""
     rng = np.random.default_rng(0)
     big = (256, 1024) if quick else (1024, 1640)  # full: 16.8M float32 parameters
     d, layers = (128, 8) if quick else (256, 16)
@@ -46,9 +47,10 @@ def trees(quick: bool) -> dict[str, dict[str, jax.Array]]:
         }  # fmt: skip
         for name, s in shapes.items():
             tf[f"layer{layer}/{name}"] = rng.normal(size=s).astype(np.float32)
-    small = {f"p{i:04d}": rng.normal(size=(1000,)).astype(np.float32) for i in range(1000)}
-    out = {"a_10_large": large, "b_transformer": tf, "c_1000_small": small}
-    out["d_1000_small_bf16"] = {k: v.astype(jnp.bfloat16) for k, v in small.items()}
+    n_small = 250 if quick else 1000
+    small = {f"p{i:04d}": rng.normal(size=(1000,)).astype(np.float32) for i in range(n_small)}
+    out = {"a_10_large": large, "b_transformer": tf, f"c_{n_small}_small": small}
+    out[f"d_{n_small}_small_bf16"] = {k: v.astype(jnp.bfloat16) for k, v in small.items()}
     return {name: jax.tree.map(jnp.asarray, t) for name, t in out.items()}
 
 

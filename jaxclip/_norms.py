@@ -112,16 +112,21 @@ def _power_abs(x: Array, p: float, acc: np.dtype) -> Array:
     return _power(_abs(x, acc), p)
 
 
-def _reduce(x: Array, v: Array, axes: Optional[tuple[int, ...]], op: str) -> Array:
+def _native(x: Array, bucketed: bool) -> bool:
+    """Whether ``x`` must be reduced by XLA's own fused reduce (see :func:`_reduce`)."""
+    return x.dtype == np.float16 or (bucketed and x.dtype.itemsize < 4)
+
+
+def _reduce(x: Array, v: Array, axes: Optional[tuple[int, ...]], op: str, native: bool) -> Array:
     """Sum or max of ``v`` (computed from ``x``) over ``axes`` with keepdims, in one pass.
 
-    XLA:CPU's library reduction kernels cannot fuse an f16 -> f32 convert and would
-    materialise a widened copy of the leaf; XLA fuses it into a variadic reduce of its
-    own. For f16 leaves the reduce therefore also takes ``min |x|``, tied into the
-    result (``min >= 0`` unless NaN, when the result is NaN anyway) so that it is not
-    simplified back into a plain one.
+    XLA:CPU's library reduction kernels cannot fuse an f16 -> f32 convert, nor a
+    concatenation, and then materialise a widened copy of the leaf (or bucket); XLA
+    fuses both into a variadic reduce of its own. With ``native`` the reduce
+    therefore also takes ``min |x|``, tied into the result (``min >= 0`` unless NaN,
+    when the result is NaN anyway) so that it is not simplified back into a plain one.
     """
-    if x.dtype != np.float16:
+    if not native:
         return (jnp.sum if op == "sum" else jnp.max)(v, axis=axes, keepdims=True)
     dims = tuple(range(x.ndim)) if axes is None else axes
     zero = jnp.zeros((), v.dtype)
@@ -136,9 +141,11 @@ def _reduce(x: Array, v: Array, axes: Optional[tuple[int, ...]], op: str) -> Arr
     return r.reshape(tuple(1 if i in dims else d for i, d in enumerate(x.shape)))
 
 
-def _power_sum(x: Array, p: float, axes: Optional[tuple[int, ...]], acc: np.dtype) -> Array:
+def _power_sum(
+    x: Array, p: float, axes: Optional[tuple[int, ...]], acc: np.dtype, native: bool
+) -> Array:
     """``sum |x|^p`` over ``axes`` (keepdims), accumulated in ``acc``."""
-    return _reduce(x, _power_abs(x, p, acc), axes, "sum")
+    return _reduce(x, _power_abs(x, p, acc), axes, "sum", native)
 
 
 def root(s: Array, p: float) -> Array:
@@ -220,6 +227,7 @@ def slice_norms(
     unit_axes: list[Optional[tuple[int, ...]]] = []
     where: list[tuple[int, int]] = []  # per leaf: (unit, row), row -1 for a whole unit
     groups: dict[tuple[np.dtype, int], list[int]] = {}
+    leaves = _reduction_view(leaves)
     for i, (x, a) in enumerate(zip(leaves, axes)):
         if bucket and a is None and 0 < x.size and _bucketable(x):
             groups.setdefault((np.dtype(x.dtype), 1 << (x.size - 1).bit_length()), []).append(i)
@@ -234,9 +242,10 @@ def slice_norms(
             x = leaves[i].ravel()
             rows.append(x if x.size == width else jnp.pad(x, (0, width - x.size)))
             where[i] = (len(units), row)
-        units.append(jnp.stack(rows) if len(rows) > 1 else rows[0][None])
+        units.append(_concatenate([r[None] for r in rows]))
         unit_axes.append((1,))
-    norms = _unit_norms(units, p, unit_axes)
+    bucketed = [False] * (len(units) - len(groups)) + [True] * len(groups)
+    norms = _unit_norms(units, p, unit_axes, bucketed)
     out = []
     for x, (u, row) in zip(leaves, where):
         out.append(norms[u] if row < 0 else norms[u][row].reshape((1,) * x.ndim))
@@ -244,19 +253,19 @@ def slice_norms(
 
 
 def _unit_norms(
-    leaves: Sequence[Array], p: float, axes: Sequence[Optional[tuple[int, ...]]]
+    leaves: Sequence[Array],
+    p: float,
+    axes: Sequence[Optional[tuple[int, ...]]],
+    bucketed: Sequence[bool],
 ) -> list[Array]:
     """Norms over ``axes`` (keepdims) of each array, overflow-safe, with one shared cond."""
     if not leaves:
         return []
     accs = [acc_dtype(x.dtype) for x in leaves]
-    leaves = _reduction_view(leaves)
+    natives = [_native(x, b) for x, b in zip(leaves, bucketed)]
     if p == math.inf:
-        return [_max_abs(x, a, acc) for x, a, acc in zip(leaves, axes, accs)]
-    sums = [
-        _power_sum(x, p, a, acc)
-        for x, a, acc in zip(leaves, axes, accs)
-    ]
+        return [_max_abs(*args) for args in zip(leaves, axes, accs, natives)]
+    sums = [_power_sum(x, p, a, acc, nat) for x, a, acc, nat in zip(leaves, axes, accs, natives)]
     oks = [_exact_range(s) for s in sums]
     all_ok = jnp.all(jnp.stack([jnp.all(ok) for ok in oks]))
 
@@ -265,27 +274,29 @@ def _unit_norms(
 
     def scaled() -> list[Array]:
         out = []
-        for x, a, acc, s, ok in zip(leaves, axes, accs, sums, oks):
-            m = _max_abs(x, a, acc)
+        for x, a, acc, nat, s, ok in zip(leaves, axes, accs, natives, sums, oks):
+            m = _max_abs(x, a, acc, nat)
             x, m = lax.optimization_barrier((x, m))  # a second, separately fused read
-            n = _unscale(m, _scaled_sum(x, _safe_divisor(m)[0], p, a), p)
+            n = _unscale(m, _scaled_sum(x, _safe_divisor(m)[0], p, a, nat), p)
             out.append(jnp.where(ok, root(s, p), n))
         return out
 
     return lax.cond(all_ok, fast, scaled)
 
 
-def _max_abs(x: Array, axes: Optional[tuple[int, ...]], acc: np.dtype) -> Array:
+def _max_abs(x: Array, axes: Optional[tuple[int, ...]], acc: np.dtype, native: bool) -> Array:
     if x.size == 0:
         shape = tuple(1 if (axes is None or i in axes) else d for i, d in enumerate(x.shape))
         return jnp.zeros(shape, acc)
-    return _reduce(x, _abs(x, acc), axes, "max")
+    return _reduce(x, _abs(x, acc), axes, "max", native)
 
 
-def _scaled_sum(x: Array, d: Array, p: float, axes: Optional[tuple[int, ...]]) -> Array:
+def _scaled_sum(
+    x: Array, d: Array, p: float, axes: Optional[tuple[int, ...]], native: bool
+) -> Array:
     """``sum (|x|/d)^p`` over ``axes`` (keepdims), in the leaf's accumulation dtype."""
     acc = acc_dtype(x.dtype)
-    return _reduce(x, _power(_abs(x, acc) / d.astype(acc), p), axes, "sum")
+    return _reduce(x, _power(_abs(x, acc) / d.astype(acc), p), axes, "sum", native)
 
 
 def _unscale(m: Array, t: Array, p: float) -> Array:
@@ -325,8 +336,18 @@ def _bucketable(x: Array) -> bool:
     return True
 
 
-def _units(leaves: Sequence[Array], bucket: bool) -> list[Array]:
-    """The arrays to reduce: big or sharded leaves as they are, small ones concatenated."""
+def _concatenate(parts: Sequence[Array]) -> Array:
+    """``jnp.concatenate``, moving bfloat16 as raw 16-bit words: XLA:CPU would otherwise
+    run a bfloat16 concatenation in float32, a widened copy of every part."""
+    if parts[0].dtype != jnp.bfloat16:
+        return jnp.concatenate(parts)
+    words = jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint16) for x in parts])
+    return lax.bitcast_convert_type(words, jnp.bfloat16)
+
+
+def _units(leaves: Sequence[Array], bucket: bool) -> tuple[list[Array], list[bool]]:
+    """The arrays to reduce (big or sharded leaves as they are, small ones concatenated),
+    and which of them are buckets."""
     units: list[Array] = []
     buckets: dict[np.dtype, list[Array]] = {}
     for x in leaves:
@@ -338,14 +359,16 @@ def _units(leaves: Sequence[Array], bucket: bool) -> list[Array]:
         else:
             units.append(x)
     for group in buckets.values():
-        units.append(group[0] if len(group) == 1 else jnp.concatenate([g.ravel() for g in group]))
-    return units
+        units.append(group[0] if len(group) == 1 else _concatenate([g.ravel() for g in group]))
+    return units, [False] * (len(units) - len(buckets)) + [True] * len(buckets)
 
 
-def _global_max(units: Sequence[Array], acc: np.dtype, axis_name: AxisName) -> Array:
+def _global_max(
+    units: Sequence[Array], natives: Sequence[bool], acc: np.dtype, axis_name: AxisName
+) -> Array:
     m = jnp.zeros((), acc)
-    for u in units:
-        m = jnp.maximum(m, _max_abs(u, None, acc_dtype(u.dtype)).reshape(()).astype(acc))
+    for u, nat in zip(units, natives):
+        m = jnp.maximum(m, _max_abs(u, None, acc_dtype(u.dtype), nat).reshape(()).astype(acc))
     return _pmax(m, axis_name)
 
 
@@ -369,21 +392,22 @@ def global_norm(
       A scalar in the widest accumulation dtype of the leaves (float32 at least).
     """
     acc = result_dtype(leaves)
-    units = _reduction_view(_units(leaves, bucket))
+    units, bucketed = _units(_reduction_view(leaves), bucket)
+    natives = [_native(u, b) for u, b in zip(units, bucketed)]
     if p == math.inf:
-        return _global_max(units, acc, axis_name)
+        return _global_max(units, natives, acc, axis_name)
     s = jnp.zeros((), acc)
-    for u in units:
-        s = s + _power_sum(u, p, None, acc_dtype(u.dtype)).reshape(()).astype(acc)
+    for u, nat in zip(units, natives):
+        s = s + _power_sum(u, p, None, acc_dtype(u.dtype), nat).reshape(()).astype(acc)
     s = _psum(s, axis_name)
 
     def scaled() -> Array:
-        m = _global_max(units, acc, axis_name)
+        m = _global_max(units, natives, acc, axis_name)
         again, m = lax.optimization_barrier((units, m))  # a second, separately fused read
         d, _ = _safe_divisor(m)
         t = jnp.zeros((), acc)
-        for u in again:
-            t = t + _scaled_sum(u, d, p, None).reshape(()).astype(acc)
+        for u, nat in zip(again, natives):
+            t = t + _scaled_sum(u, d, p, None, nat).reshape(()).astype(acc)
         return _unscale(m, _psum(t, axis_name), p)
 
     return lax.cond(_exact_range(s), lambda: root(s, p), scaled)

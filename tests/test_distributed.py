@@ -1,0 +1,140 @@
+"""Sharded and multi-device clipping on 8 simulated CPU devices (see conftest.py)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxclip
+import reference as ref
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+SPECS = {
+    "both": P("data", "model"),
+    "cols": P(None, "model"),
+    "rows": P("model"),
+    "replicated": P(),
+    "small_replicated": P(),
+    "vec": P("data"),
+}
+SHAPES = {"both": (8, 16), "cols": (6, 8), "rows": (16, 3), "replicated": (5, 7), "small_replicated": (3,), "vec": (4,)}
+
+
+def _grads() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def _mesh(kind: AxisType) -> Mesh:
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"), axis_types=(kind, kind))
+
+
+def _place(tree: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    return {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in tree.items()}
+
+
+MODES = {
+    "global_p2": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0),
+    "global_p1": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0, norm_type=1.0),
+    "global_inf": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0, norm_type=math.inf),
+    "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0),
+    "norm_axes0": lambda g: jaxclip.clip_tree_by_norm(g, 1.0, axes=0),
+    "value": lambda g: (jaxclip.clip_tree_by_value(g, 0.5), None),
+}
+
+
+def _collectives_are_scalar(hlo: str) -> None:
+    assert "all-gather" not in hlo and "all-to-all" not in hlo and "collective-permute" not in hlo
+    for line in hlo.splitlines():
+        if re.search(r"= \S+ all-reduce(-start)?\(", line):
+            shape = line.split("=", 1)[1].split("all-reduce")[0]
+            # Only scalars (or tuples of scalars) are reduced across devices.
+            assert re.fullmatch(r"\s*\(?(\w+\[\](\{\})?,?\s*)+\)?\s*", shape), line
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_jit_over_mesh_matches_single_device(mode, kind):
+    host = _grads()
+    mesh = _mesh(kind)
+    sharded = _place(host, mesh)
+    fn = jax.jit(MODES[mode])
+    with jax.sharding.use_mesh(mesh):
+        out, aux = fn(sharded)
+        hlo = fn.lower(sharded).compile().as_text()
+    single, single_aux = MODES[mode](jax.tree.map(jnp.asarray, host))
+    for k in host:
+        np.testing.assert_allclose(out[k], single[k], rtol=2e-6, atol=1e-7)
+        assert out[k].sharding.is_equivalent_to(sharded[k].sharding, out[k].ndim), k
+    if aux is not None:
+        for a, b in zip(jax.tree.leaves(aux), jax.tree.leaves(single_aux)):
+            np.testing.assert_allclose(a, b, rtol=2e-6)
+    _collectives_are_scalar(hlo)
+
+
+def test_clip_by_norm_axes_over_a_sharded_axis_is_per_slice():
+    host = _grads()
+    sharded = _place(host, _mesh(AxisType.Auto))
+    out, norms = jax.jit(lambda g: jaxclip.clip_tree_by_norm(g, 1.0, axes=0))(sharded)
+    for k in ("both", "rows"):  # axis 0 is sharded for these
+        np.testing.assert_allclose(norms[k], np.squeeze(ref.norm([host[k]], 2.0, axes=(0,)), 0), rtol=2e-6)
+        np.testing.assert_allclose(out[k], ref.clip_each(host[k], 1.0, axes=(0,)), rtol=2e-6)
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("axis_name", ["model", ("data", "model")], ids=["model", "data+model"])
+def test_shard_map_fsdp_norm_equals_full_norm(p, axis_name):
+    host = {k: v for k, v in _grads().items() if k in ("both", "cols")}
+    mesh = _mesh(AxisType.Explicit)
+    spec = P(None, axis_name)  # every device holds a slice of every leaf
+
+    def step(g):
+        clipped, n = jaxclip.clip_tree_by_global_norm(g, 1.0, norm_type=p, axis_name=axis_name)
+        return clipped, n, jaxclip.global_norm(g, p, axis_name=axis_name)
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec,), out_specs=(spec, P(), P())))
+    placed = {k: jax.device_put(v, NamedSharding(mesh, spec)) for k, v in host.items()}
+    clipped, n, n2 = f(placed)
+    expected, full = ref.clip_global(list(host.values()), 1.0, p)
+    np.testing.assert_allclose(n, full, rtol=2e-6)
+    np.testing.assert_allclose(n2, full, rtol=2e-6)
+    for k, e in zip(host, expected):
+        np.testing.assert_allclose(clipped[k], e, rtol=2e-6)
+
+
+def test_shard_map_data_parallel_replicas_need_no_axis_name():
+    host = _grads()
+    mesh = _mesh(AxisType.Explicit)
+    f = jax.jit(
+        jax.shard_map(
+            lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0)[1][None],
+            mesh=mesh, in_specs=(P(),), out_specs=P(("data", "model")),
+        )  # fmt: skip
+    )
+    norms = f(host)
+    np.testing.assert_allclose(norms, np.full(8, ref.norm(list(host.values()), 2.0)), rtol=2e-6)
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_pmap_with_axis_name(p):
+    x = np.random.default_rng(1).normal(size=(8, 5, 3)).astype(np.float32)
+    f = jax.pmap(lambda g: jaxclip.clip_tree_by_global_norm({"w": g}, 1.0, norm_type=p, axis_name="i"), axis_name="i")
+    out, n = f(x)
+    np.testing.assert_allclose(n, np.full(8, ref.norm([x], p)), rtol=2e-6)
+    np.testing.assert_allclose(out["w"], ref.clip_global([x], 1.0, p)[0][0], rtol=2e-6)
+
+
+def test_unbound_axis_name_is_an_error():
+    with pytest.raises(NameError, match="unbound axis name"):
+        jax.jit(lambda g: jaxclip.global_norm(g, axis_name="model"))(jnp.ones(3))
+    tx = jaxclip.clip_by_global_norm(1.0, axis_name="batch")
+    with pytest.raises(NameError, match="unbound axis name"):
+        tx.update(jnp.ones(3), tx.init(jnp.ones(3)))
