@@ -276,7 +276,7 @@ def _unit_norms(
         out = []
         for x, a, acc, nat, s, ok in zip(leaves, axes, accs, natives, sums, oks):
             m = _max_abs(x, a, acc, nat)
-            x, m = lax.optimization_barrier((x, m))  # a second, separately fused read
+            x = lax.optimization_barrier((x, m))[0]  # a second, separately fused read
             n = _unscale(m, _scaled_sum(x, _safe_divisor(m)[0], p, a, nat), p)
             out.append(jnp.where(ok, root(s, p), n))
         return out
@@ -403,7 +403,7 @@ def global_norm(
 
     def scaled() -> Array:
         m = _global_max(units, natives, acc, axis_name)
-        again, m = lax.optimization_barrier((units, m))  # a second, separately fused read
+        again = lax.optimization_barrier((units, m))[0]  # a second, separately fused read
         d, _ = _safe_divisor(m)
         t = jnp.zeros((), acc)
         for u, nat in zip(again, natives):
