@@ -274,10 +274,12 @@ def _unit_norms(
 
     def scaled() -> list[Array]:
         out = []
-        for x, a, acc, nat, s, ok in zip(leaves, axes, accs, natives, sums, oks):
-            m = _max_abs(x, a, acc, nat)
+        # The rare path reduces natively: XLA:CPU's library kernels would materialise
+        # widened copies where two reductions read one low-precision leaf.
+        for x, a, acc, s, ok in zip(leaves, axes, accs, sums, oks):
+            m = _max_abs(x, a, acc, True)
             x = lax.optimization_barrier((x, m))[0]  # a second, separately fused read
-            n = _unscale(m, _scaled_sum(x, _safe_divisor(m)[0], p, a, nat), p)
+            n = _unscale(m, _scaled_sum(x, _safe_divisor(m)[0], p, a, True), p)
             out.append(jnp.where(ok, root(s, p), n))
         return out
 
@@ -402,12 +404,13 @@ def global_norm(
     s = _psum(s, axis_name)
 
     def scaled() -> Array:
-        m = _global_max(units, natives, acc, axis_name)
+        # Native reductions on the rare path (see _unit_norms).
+        m = _global_max(units, [True] * len(units), acc, axis_name)
         again = lax.optimization_barrier((units, m))[0]  # a second, separately fused read
         d, _ = _safe_divisor(m)
         t = jnp.zeros((), acc)
-        for u, nat in zip(again, natives):
-            t = t + _scaled_sum(u, d, p, None, nat).reshape(()).astype(acc)
+        for u in again:
+            t = t + _scaled_sum(u, d, p, None, True).reshape(()).astype(acc)
         return _unscale(m, _psum(t, axis_name), p)
 
     return lax.cond(_exact_range(s), lambda: root(s, p), scaled)

@@ -1,0 +1,69 @@
+"""Guards for the speed mechanisms (timings live in benchmarks/, not here)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxclip
+from jaxclip import _norms
+
+
+def _reduce_count(fn, tree) -> int:
+    return jax.jit(fn).lower(tree).as_text().count("stablehlo.reduce")
+
+
+def test_thousand_leaf_global_norm_lowers_to_a_handful_of_reductions():
+    tree = {f"p{i:04d}": jnp.ones((10,)) for i in range(1000)}
+    ours = _reduce_count(lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0), tree)
+    theirs = _reduce_count(lambda g: optax.clip_by_global_norm(1.0).update(g, None), tree)
+    assert theirs >= 1000  # one kernel per leaf: what makes optax slow to compile
+    assert ours <= 4, ours  # the bucket's sum, and its max and scaled sum on the rare path
+
+
+def test_thousand_leaf_clip_by_norm_buckets_its_reductions():
+    tree = {f"p{i:04d}": jnp.ones((10 + i % 7,)) for i in range(1000)}
+    # sum; max and scaled sum on the rare path; the all() over the in-range flags
+    assert _reduce_count(lambda g: jaxclip.clip_tree_by_norm(g, 1.0), tree) <= 5
+
+
+def test_large_leaves_are_not_bucketed():
+    big = jnp.ones((_norms.BUCKET_MAX_BYTES // 4 + 1,))
+    text = jax.jit(lambda g: jaxclip.global_norm(g)).lower([big, big]).as_text()
+    assert "concatenate" not in text
+    assert text.count("stablehlo.reduce") == 2 * 3  # per leaf: sum; max and scaled sum
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_sharded_small_leaves_are_not_bucketed():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    sharded = [jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, "model"))) for _ in range(3)]
+    replicated = [jax.device_put(jnp.ones((8,)), NamedSharding(mesh, P())) for _ in range(3)]
+    with jax.set_mesh(mesh):
+        text = jax.jit(lambda g: jaxclip.global_norm(g)).lower(sharded + replicated).as_text()
+    # One bucket for the three replicated leaves; the sharded ones are reduced in place.
+    assert text.count("stablehlo.concatenate") == 1
+    assert text.count("stablehlo.reduce") == 4 * 3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("mode", ["global", "norm"])
+def test_temporaries_bounded_with_buckets(mode, dtype):
+    rng = np.random.default_rng(0)
+    small = [jnp.asarray(rng.normal(size=(300 + i,)), dtype) for i in range(200)]
+    large = [jnp.asarray(rng.normal(size=(256, 512)), dtype) for _ in range(2)]
+    tree = small + large
+    f = {
+        "global": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0),
+        "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0),
+    }[mode]
+    temp = jax.jit(f).lower(tree).compile().memory_analysis().temp_size_in_bytes
+    total = sum(x.nbytes for x in tree)
+    # clip_by_norm pads each bucketed leaf to the next power of two (at most 2x).
+    bucketed = sum(x.nbytes for x in small) * (2 if mode == "norm" else 1)
+    assert temp <= 0.02 * total + bucketed, (temp, total, bucketed)
