@@ -1,5 +1,14 @@
 """jaxclip: gradient clipping for JAX as optax transformations over pytrees."""
 
+from jaxclip.adaptive import (
+    AutoClipState,
+    SkipLargeUpdatesState,
+    ZClipState,
+    adaptive_clip,
+    auto_clip,
+    skip_large_updates,
+    zclip,
+)
 from jaxclip.clipping import (
     ClipByGlobalNormState,
     ClipByNormState,
@@ -15,6 +24,13 @@ from jaxclip.clipping import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoClipState",
+    "SkipLargeUpdatesState",
+    "ZClipState",
+    "adaptive_clip",
+    "auto_clip",
+    "skip_large_updates",
+    "zclip",
     "ClipByGlobalNormState",
     "ClipByNormState",
     "clip_by_global_norm",

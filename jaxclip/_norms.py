@@ -48,19 +48,29 @@ def result_dtype(leaves: Sequence[Any]) -> np.dtype:
     return np.dtype(np.float32)
 
 
-class _Euclidean:
-    """The default ``norm_type``: 2.0, but not a float, so that
-    ``optax.inject_hyperparams`` keeps it static instead of turning it into an array."""
+class StaticDefault:
+    """A default hyperparameter that ``optax.inject_hyperparams`` leaves static.
+
+    ``inject_hyperparams`` turns every numeric argument, defaults included, into an
+    array; shapes and code paths (``norm_type``, buffer sizes) must stay Python numbers.
+    This stands for its value (``float``, ``int``, ``repr``) without being a number.
+    """
+
+    def __init__(self, value: Union[int, float]) -> None:
+        self.value = value
 
     def __float__(self) -> float:
-        return 2.0
+        return float(self.value)
+
+    def __index__(self) -> int:
+        return int(self.value)
 
     def __repr__(self) -> str:
-        return "2.0"
+        return repr(self.value)
 
 
 #: Default ``norm_type`` of every norm-based mode (the Euclidean norm).
-L2: Any = _Euclidean()
+L2: Any = StaticDefault(2.0)
 
 
 def check_norm_type(norm_type: Any) -> float:
@@ -112,9 +122,12 @@ def _power_abs(x: Array, p: float, acc: np.dtype) -> Array:
     return _power(_abs(x, acc), p)
 
 
-def _native(x: Array, bucketed: bool) -> bool:
-    """Whether ``x`` must be reduced by XLA's own fused reduce (see :func:`_reduce`)."""
-    return x.dtype == np.float16 or (bucketed and x.dtype.itemsize < 4)
+def _native(x: Array, bucketed: bool, rare: bool = False) -> bool:
+    """Whether ``x`` is reduced by XLA's own fused reduce (see :func:`_reduce`): f16 leaves,
+    16-bit buckets, and everything on the rare path; never a sharded leaf, whose variadic
+    reduce XLA would partition with an all-gather."""
+    wanted = rare or x.dtype == np.float16 or (bucketed and x.dtype.itemsize < 4)
+    return wanted and _one_device(x)
 
 
 def _reduce(x: Array, v: Array, axes: Optional[tuple[int, ...]], op: str, native: bool) -> Array:
@@ -276,10 +289,11 @@ def _unit_norms(
         out = []
         # The rare path reduces natively: XLA:CPU's library kernels would materialise
         # widened copies where two reductions read one low-precision leaf.
-        for x, a, acc, s, ok in zip(leaves, axes, accs, sums, oks):
-            m = _max_abs(x, a, acc, True)
+        for x, a, acc, b, s, ok in zip(leaves, axes, accs, bucketed, sums, oks):
+            nat = _native(x, b, rare=True)
+            m = _max_abs(x, a, acc, nat)
             x = lax.optimization_barrier((x, m))[0]  # a second, separately fused read
-            n = _unscale(m, _scaled_sum(x, _safe_divisor(m)[0], p, a, True), p)
+            n = _unscale(m, _scaled_sum(x, _safe_divisor(m)[0], p, a, nat), p)
             out.append(jnp.where(ok, root(s, p), n))
         return out
 
@@ -314,8 +328,12 @@ def _unscale(m: Array, t: Array, p: float) -> Array:
 
 def _bucketable(x: Array) -> bool:
     """Whether ``x`` is small and whole on one device, so copying it costs no traffic."""
-    if x.size * x.dtype.itemsize > BUCKET_MAX_BYTES:
-        return False
+    return x.size * x.dtype.itemsize <= BUCKET_MAX_BYTES and _one_device(x)
+
+
+def _one_device(x: Array) -> bool:
+    """Whether ``x`` lives whole on each device that holds it (single device, replicated,
+    or a local block inside ``shard_map``), so reducing it needs no collective."""
     try:
         sharding = jax.typeof(x).sharding
     except Exception:  # numpy arrays, Python scalars
@@ -405,12 +423,13 @@ def global_norm(
 
     def scaled() -> Array:
         # Native reductions on the rare path (see _unit_norms).
-        m = _global_max(units, [True] * len(units), acc, axis_name)
+        rare = [_native(u, b, rare=True) for u, b in zip(units, bucketed)]
+        m = _global_max(units, rare, acc, axis_name)
         again = lax.optimization_barrier((units, m))[0]  # a second, separately fused read
         d, _ = _safe_divisor(m)
         t = jnp.zeros((), acc)
-        for u in again:
-            t = t + _scaled_sum(u, d, p, None, True).reshape(()).astype(acc)
+        for u, nat in zip(again, rare):
+            t = t + _scaled_sum(u, d, p, None, nat).reshape(()).astype(acc)
         return _unscale(m, _psum(t, axis_name), p)
 
     return lax.cond(_exact_range(s), lambda: root(s, p), scaled)

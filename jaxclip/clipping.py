@@ -8,7 +8,7 @@ them, and delegates to the ``clip_tree_*`` function, which takes its selection f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,8 @@ class ClipByGlobalNormState(NamedTuple):
     """State of :func:`clip_by_global_norm`.
 
     Attributes:
-      global_norm: the pre-clip global norm of the last update (float32 scalar).
+      global_norm: the pre-clip global norm of the last update (float32 scalar), or a
+        dict label -> norm when the transformation has a ``group``.
     """
 
     global_norm: Array
@@ -255,7 +256,8 @@ def clip_tree_by_global_norm(
     axis_name: _norms.AxisName = None,
     use_norm: Optional[ArrayLike] = None,
     error_if_nonfinite: bool = False,
-) -> tuple[PyTree, Array]:
+    group: Optional[Callable[[str, Any], Hashable]] = None,
+) -> tuple[PyTree, Any]:
     """Scales all selected leaves together so that their joint norm is at most ``clip_norm``.
 
     The counterpart of ``torch.nn.utils.clip_grad_norm_`` (which returns the total
@@ -270,10 +272,12 @@ def clip_tree_by_global_norm(
         leaves are sharded.
       use_norm: a global norm computed already (as in TensorFlow); it is used as is.
       error_if_nonfinite: raise if the global norm is inf or NaN (a host sync per call).
+      group: a callable ``group(path, leaf) -> label``: each label's leaves are clipped
+        by their own global norm (Paddle's ``group_name``).
 
     Returns:
       ``(clipped, global_norm)``, the norm before clipping (float32, or float64 when a
-      leaf is float64; ``use_norm`` when given).
+      leaf is float64; ``use_norm`` when given); with ``group``, a dict label -> norm.
 
     Example:
       >>> import jax.numpy as jnp, jaxclip
@@ -288,6 +292,20 @@ def clip_tree_by_global_norm(
     p = _norms.check_norm_type(norm_type)
     sel = _tree.select(tree, need_clip, what="global-norm clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
+    if group is not None:
+        if use_norm is not None:
+            raise ValueError("jaxclip: use_norm and group cannot be combined: pass one norm per call.")
+        labels, per_leaf = _group_labels(group, sel)
+        norms, clipped = {}, list(xs)
+        for label in labels:
+            members = [i for i, lab in enumerate(per_leaf) if lab == label]
+            n = _norms.global_norm([xs[i] for i in members], p, axis_name=axis_name)
+            if error_if_nonfinite:
+                _norms.raise_if_nonfinite([n], [f"global norm of group {label!r}"])
+            for i in members:
+                clipped[i] = _norms.apply_scale(xs[i], _norms.clip_scale(n, clip_norm))
+            norms[label] = n
+        return sel.rebuild(clipped), norms
     if use_norm is None:
         norm = _norms.global_norm(xs, p, axis_name=axis_name)
     else:
@@ -296,6 +314,20 @@ def clip_tree_by_global_norm(
         _norms.raise_if_nonfinite([norm], ["global norm"])
     scale = _norms.clip_scale(norm, clip_norm)
     return sel.rebuild([_norms.apply_scale(x, scale) for x in xs]), norm
+
+
+def _group_labels(
+    group: Callable[[str, Any], Hashable], sel: _tree.Selection
+) -> tuple[list[Hashable], list[Hashable]]:
+    """The distinct labels (first-seen order) and the label of each selected leaf."""
+    per_leaf = [group(path, x) for path, x in zip(sel.chosen_paths, sel.chosen)]
+    for path, label in zip(sel.chosen_paths, per_leaf):
+        if label is None:
+            raise TypeError(
+                f"jaxclip: group({path!r}, leaf) returned None; return a label such as a str "
+                "(exclude leaves with need_clip instead)."
+            )
+    return list(dict.fromkeys(per_leaf)), per_leaf
 
 
 # ----------------------------------------------------------------------------------------
@@ -409,6 +441,7 @@ def clip_by_global_norm(
     need_clip: _tree.NeedClip = None,
     axis_name: _norms.AxisName = None,
     error_if_nonfinite: bool = False,
+    group: Optional[Callable[[str, Any], Hashable]] = None,
 ) -> optax.GradientTransformation:
     """Scales all selected updates together so that their joint norm is at most ``clip_norm``.
 
@@ -431,6 +464,9 @@ def clip_by_global_norm(
         updates are sharded; not needed under ``jit`` with sharded arrays.
       error_if_nonfinite: raise, also under ``jit``, when the global norm is inf or NaN;
         costs a device-to-host transfer and a sync per step.
+      group: a callable ``group(path, leaf) -> label`` (Paddle's ``group_name``): each
+        label's leaves are clipped by their own global norm, and the state holds a dict
+        label -> norm.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`ClipByGlobalNormState`.
@@ -455,8 +491,10 @@ def clip_by_global_norm(
     _norms.check_norm_type(norm_type)
 
     def init_fn(params: PyTree) -> ClipByGlobalNormState:
-        del params
-        return ClipByGlobalNormState(jnp.zeros((), jnp.float32))
+        if group is None:
+            return ClipByGlobalNormState(jnp.zeros((), jnp.float32))
+        labels, _ = _group_labels(group, _tree.select(params, need_clip, what="global-norm clipping"))
+        return ClipByGlobalNormState({label: jnp.zeros((), jnp.float32) for label in labels})
 
     def update_fn(updates: PyTree, state: ClipByGlobalNormState, params: Any = None):
         del params, state
@@ -467,7 +505,8 @@ def clip_by_global_norm(
             need_clip=need_clip,
             axis_name=axis_name,
             error_if_nonfinite=error_if_nonfinite,
+            group=group,
         )
-        return clipped, ClipByGlobalNormState(norm.astype(jnp.float32))
+        return clipped, ClipByGlobalNormState(jax.tree.map(lambda n: n.astype(jnp.float32), norm))
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,384 @@
+"""Adaptive clipping: AGC, AutoClip, ZClip and spike skipping.
+
+Every mode takes its norms from ``_norms`` (through the ``clip_tree_*`` functions) and
+keeps its statistics in a ``NamedTuple`` state whose fields ``optax.tree.get`` finds.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxclip import _norms, _tree
+from jaxclip.clipping import Axes, _check_axes, _check_clip_norm, _concrete, _leaf_axes
+
+Array = jax.Array
+PyTree = Any
+
+__all__ = [
+    "AutoClipState",
+    "SkipLargeUpdatesState",
+    "ZClipState",
+    "adaptive_clip",
+    "auto_clip",
+    "skip_large_updates",
+    "zclip",
+]
+
+
+def _static_int(value: Any, name: str, fn: str) -> int:
+    """A buffer size: a Python int >= 1 (not traced; it fixes the state's shape)."""
+    try:
+        n = operator.index(value)
+    except Exception:  # floats, traced arrays
+        n = None
+    if n is None or n < 1:
+        raise ValueError(
+            f"jaxclip: {fn} {name}={value!r} must be a Python int >= 1 (it sizes the state); "
+            f"with optax.inject_hyperparams pass static_args=({name!r},)."
+        )
+    return n
+
+
+def _unit_axes(ndim: int) -> Optional[tuple[int, ...]]:
+    """The paper's units: vectors and scalars whole; else one unit per output channel
+    (the last axis), i.e. the norm over all other axes ((in, out) -> 0, HWIO -> 0, 1, 2)."""
+    return None if ndim <= 1 else tuple(range(ndim - 1))
+
+
+def adaptive_clip(
+    clipping: float, eps: float = 1e-3, *, axes: Axes = None, need_clip: _tree.NeedClip = None
+) -> optax.GradientTransformation:
+    """Adaptive Gradient Clipping: each unit's gradient norm is clipped to
+    ``clipping * max(||param unit||, eps)``.
+
+    Units are as in the paper: per output unit, i.e. for an ``(in, out)`` kernel the norm
+    over axis 0, for an HWIO conv kernel over axes (0, 1, 2); vectors and scalars whole.
+    ``axes`` overrides that for every selected leaf. Agrees with
+    ``optax.adaptive_grad_clip`` where both apply (optax guards ``g_norm`` with ``1e-6``).
+
+    Args:
+      clipping: the largest allowed ratio of gradient norm to parameter norm, > 0.
+      eps: the smallest parameter norm used, so zero-initialised units still move.
+      axes: the axes a unit's norm is taken over, for every leaf; None for the defaults.
+      need_clip: which leaves are clipped (see :func:`jaxclip.clip_by_value`).
+
+    Returns:
+      An ``optax.GradientTransformation`` (``optax.EmptyState``) whose ``update`` needs
+      ``params``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxclip
+      >>> tx = jaxclip.adaptive_clip(0.5)
+      >>> params = {"w": jnp.array([[0.0], [4.0]])}   # one unit (column), norm 4
+      >>> grads = {"w": jnp.array([[0.0], [16.0]])}   # norm 16 > 0.5 * 4
+      >>> tx.update(grads, tx.init(params), params)[0]["w"]
+      Array([[0.],
+             [2.]], dtype=float32)
+
+    References:
+      Brock et al., `High-Performance Large-Scale Image Recognition Without
+      Normalization <https://arxiv.org/abs/2102.06171>`_, 2021
+    """
+    _check_clip_norm(clipping, "clipping")
+    _check_clip_norm(eps, "eps")
+    axes_t = _check_axes(axes)
+
+    def update_fn(updates: PyTree, state: optax.EmptyState, params: Optional[PyTree] = None):
+        if params is None:
+            raise ValueError(
+                "jaxclip.adaptive_clip needs the parameters: call update(grads, state, params)."
+            )
+        sel = _tree.select(updates, need_clip, what="adaptive clipping")
+        psel = _tree.select(params, lambda path, leaf: True, what="adaptive clipping")
+        pleaves = dict(zip(psel.paths, psel.leaves))
+        gs = [jnp.asarray(g) for g in sel.chosen]
+        missing = [p for p in sel.chosen_paths if p not in pleaves]
+        if missing:
+            raise ValueError(
+                f"jaxclip: adaptive_clip found no parameter at {_tree.shown(missing[0])}; "
+                "params must have the structure of the updates."
+            )
+        ps = [jnp.asarray(pleaves[p]) for p in sel.chosen_paths]
+        leaf_axes = [
+            _leaf_axes(axes_t, g, path) if axes_t is not None else _unit_axes(g.ndim)
+            for g, path in zip(gs, sel.chosen_paths)
+        ]
+        g_norms = _norms.slice_norms(gs, 2.0, leaf_axes)
+        p_norms = _norms.slice_norms(ps, 2.0, leaf_axes)
+        clipped = []
+        for g, gn, pn in zip(gs, g_norms, p_norms):
+            limit = clipping * jnp.maximum(pn.astype(gn.dtype), eps)
+            clipped.append(_norms.apply_scale(g, _norms.clip_scale(gn, limit)))
+        return sel.rebuild(clipped), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+class AutoClipState(NamedTuple):
+    """State of :func:`auto_clip`.
+
+    Attributes:
+      history: the last ``window`` finite global norms (a ring buffer; NaN where empty).
+      count: how many finite norms were recorded in all.
+      threshold: the clipping threshold used at the last update.
+      global_norm: the pre-clip global norm of the last update.
+    """
+
+    history: Array
+    count: Array
+    threshold: Array
+    global_norm: Array
+
+
+def auto_clip(
+    percentile: float = 10.0,
+    *,
+    window: int = _norms.StaticDefault(1000),
+    need_clip: _tree.NeedClip = None,
+) -> optax.GradientTransformation:
+    """AutoClip: clips the global norm to a percentile of the global norms seen so far.
+
+    The current norm is recorded first, then the threshold is the ``percentile``-th
+    percentile (linear interpolation, as ``numpy.percentile``) of the recorded norms. The
+    paper keeps the whole history; here it is a ring buffer of the last ``window``
+    norms, so the state has a fixed size and the cost per step is ``O(window)``.
+    Non-finite norms are not recorded (they propagate as in
+    :func:`jaxclip.clip_by_global_norm`).
+
+    Args:
+      percentile: in ``(0, 100]``; 10 is the paper's default.
+      window: how many past norms are kept.
+      need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`AutoClipState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxclip
+      >>> tx = jaxclip.auto_clip(50.0, window=4)
+      >>> state = tx.init(jnp.zeros(1))
+      >>> for g in [1.0, 3.0, 100.0]:
+      ...     out, state = tx.update(jnp.array([g]), state)
+      >>> out, optax.tree.get(state, "threshold")
+      (Array([3.], dtype=float32), Array(3., dtype=float32))
+
+    References:
+      Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source Separation
+      Networks <https://arxiv.org/abs/2007.14469>`_, 2020
+    """
+    pct = _concrete(percentile)
+    if pct is not None and not 0 < pct <= 100:
+        raise ValueError(f"jaxclip: auto_clip percentile={percentile!r} must be in (0, 100].")
+    window = _static_int(window, "window", "auto_clip")
+
+    def init_fn(params: PyTree) -> AutoClipState:
+        del params
+        f32 = jnp.float32
+        return AutoClipState(jnp.full((window,), jnp.nan, f32), jnp.zeros((), jnp.int32), jnp.zeros((), f32), jnp.zeros((), f32))
+
+    def update_fn(updates: PyTree, state: AutoClipState, params: Any = None):
+        del params
+        sel, xs, norm = _selected(updates, need_clip)
+        finite = jnp.isfinite(norm)
+        history = jnp.where(finite, state.history.at[state.count % window].set(norm), state.history)
+        count = state.count + finite.astype(jnp.int32)
+        threshold = jnp.nanpercentile(history, percentile)
+        return _rescaled(sel, xs, norm, threshold), AutoClipState(history, count, threshold, norm)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _selected(updates: PyTree, need_clip: _tree.NeedClip) -> tuple[_tree.Selection, list[Array], Array]:
+    """The selection, its leaves as arrays and their global L2 norm (float32)."""
+    sel = _tree.select(updates, need_clip, what="adaptive clipping")
+    xs = [jnp.asarray(x) for x in sel.chosen]
+    return sel, xs, _norms.global_norm(xs, 2.0).astype(jnp.float32)
+
+
+def _rescaled(sel: _tree.Selection, xs: list[Array], norm: Array, threshold: Array) -> PyTree:
+    """The updates with the selected leaves scaled from global norm ``norm`` to at most
+    ``threshold`` (NaN/inf propagate as in clip_by_global_norm)."""
+    scale = _norms.clip_scale(norm, threshold)
+    return sel.rebuild([_norms.apply_scale(x, scale) for x in xs])
+
+
+class ZClipState(NamedTuple):
+    """State of :func:`zclip`.
+
+    Attributes:
+      mean: exponential moving mean of the (clipped) global norm.
+      var: exponential moving variance of the (clipped) global norm.
+      warmup: the finite norms seen during warm-up (NaN where not yet seen).
+      count: how many finite norms were seen in all.
+      threshold: the norm the last update was clipped to (its pre-clip norm if none).
+      global_norm: the pre-clip global norm of the last update.
+    """
+
+    mean: Array
+    var: Array
+    warmup: Array
+    count: Array
+    threshold: Array
+    global_norm: Array
+
+
+def zclip(
+    alpha: float = 0.97,
+    z_thresh: float = 2.5,
+    warmup_steps: int = _norms.StaticDefault(25),
+    *,
+    max_norm: Optional[float] = None,
+    eps: float = 1e-6,
+    need_clip: _tree.NeedClip = None,
+) -> optax.GradientTransformation:
+    """ZClip: clips global-norm spikes detected by a z-score against moving statistics.
+
+    During the first ``warmup_steps`` finite norms only statistics are gathered; then
+    ``mean`` and ``var`` start as their mean and (population) variance. After that, with
+    ``std = sqrt(var)`` and ``z = (n - mean) / (std + eps)``, a norm with
+    ``z > z_thresh`` is clipped to ``mean + z_thresh**2 * std / z`` (the paper's default
+    "adaptive scaling": the further out, the harder the clip). The statistics then take the
+    clipped norm: ``mean <- alpha mean + (1 - alpha) n'`` and
+    ``var <- alpha var + (1 - alpha) (n' - mean)**2`` with the new mean, as the reference
+    implementation does. ``max_norm``, when given, caps every step (warm-up included),
+    as in the reference implementation. Non-finite norms never enter the statistics.
+
+    Args:
+      alpha: the moving-average factor, in ``[0, 1)``.
+      z_thresh: the z-score above which a norm is a spike, > 0.
+      warmup_steps: finite norms gathered before clipping starts, >= 1.
+      max_norm: an optional fixed cap on the global norm.
+      eps: added to ``std`` in the z-score.
+      need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`ZClipState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxclip
+      >>> tx = jaxclip.zclip(warmup_steps=2)
+      >>> state = tx.init(jnp.zeros(1))
+      >>> for g in [1.0, 3.0, 30.0]:   # warm-up: mean 2, var 1; then z = 28
+      ...     out, state = tx.update(jnp.array([g]), state)
+      >>> round(float(out[0]), 4)      # clipped to 2 + 2.5**2 * 1 / 28
+      2.2232
+
+    References:
+      Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
+      <https://arxiv.org/abs/2504.02507>`_, 2025
+    """
+    a = _concrete(alpha)
+    if a is not None and not 0 <= a < 1:
+        raise ValueError(f"jaxclip: zclip alpha={alpha!r} must be in [0, 1).")
+    _check_clip_norm(z_thresh, "z_thresh")
+    warmup_steps = _static_int(warmup_steps, "warmup_steps", "zclip")
+    if max_norm is not None:
+        _check_clip_norm(max_norm, "max_norm")
+    cap = jnp.inf if max_norm is None else max_norm
+
+    def init_fn(params: PyTree) -> ZClipState:
+        del params
+        zero = jnp.zeros((), jnp.float32)
+        nan = jnp.full((warmup_steps,), jnp.nan, jnp.float32)
+        return ZClipState(zero, zero, nan, jnp.zeros((), jnp.int32), zero, zero)
+
+    def update_fn(updates: PyTree, state: ZClipState, params: Any = None):
+        del params
+        sel, xs, norm = _selected(updates, need_clip)
+        finite = jnp.isfinite(norm)
+        warming = state.count < warmup_steps
+        std = jnp.sqrt(state.var)
+        z = (norm - state.mean) / (std + eps)
+        spike = ~warming & (z > z_thresh)
+        safe_z = jnp.where(spike, z, 1.0)
+        adaptive = jnp.where(spike, state.mean + z_thresh**2 * std / safe_z, norm)
+        threshold = jnp.minimum(adaptive, cap)
+        clipped = _rescaled(sel, xs, norm, threshold)
+
+        warmup = jnp.where(warming & finite, state.warmup.at[state.count % warmup_steps].set(norm), state.warmup)
+        ready = warming & finite & (state.count + 1 == warmup_steps)
+        mean0 = jnp.nanmean(warmup)
+        var0 = jnp.nanmean((warmup - mean0) ** 2)
+        mean1 = alpha * state.mean + (1 - alpha) * adaptive
+        var1 = alpha * state.var + (1 - alpha) * (adaptive - mean1) ** 2
+        tracking = ~warming & finite
+        mean = jnp.where(ready, mean0, jnp.where(tracking, mean1, state.mean))
+        var = jnp.where(ready, var0, jnp.where(tracking, var1, state.var))
+        count = state.count + finite.astype(jnp.int32)
+        return clipped, ZClipState(mean, var, warmup, count, threshold, norm)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class SkipLargeUpdatesState(NamedTuple):
+    """State of :func:`skip_large_updates`.
+
+    Attributes:
+      inner_state: the wrapped transformation's state (untouched on skipped steps).
+      skipped: how many steps were skipped in all.
+      consecutive: how many steps in a row were skipped, up to now.
+      global_norm: the incoming global norm of the last update.
+    """
+
+    inner_state: Any
+    skipped: Array
+    consecutive: Array
+    global_norm: Array
+
+
+def skip_large_updates(
+    inner: optax.GradientTransformation,
+    threshold: float,
+    *,
+    norm_type: float = _norms.L2,
+    need_clip: _tree.NeedClip = None,
+) -> optax.GradientTransformation:
+    """Skips steps whose incoming global norm is above ``threshold`` or non-finite.
+
+    On a skipped step the updates are zeros and ``inner``'s state is left as it was, so
+    (unlike zeroing the gradients) Adam's moments do not decay and its step count does
+    not advance. Compare ``optax.apply_if_finite``, which skips non-finite steps only.
+
+    Args:
+      inner: the transformation to wrap (e.g. ``optax.adamw(1e-3)``).
+      threshold: the largest global norm of a step that is applied, > 0.
+      norm_type: ``p > 0`` or ``float('inf')``.
+      need_clip: which leaves count towards the norm (see :func:`jaxclip.clip_by_value`).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`SkipLargeUpdatesState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxclip
+      >>> tx = jaxclip.skip_large_updates(optax.sgd(1.0), threshold=10.0)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> out, state = tx.update(jnp.array([30.0, 40.0]), state)
+      >>> out, int(state.skipped)
+      (Array([0., 0.], dtype=float32), 1)
+    """
+    _check_clip_norm(threshold, "threshold")
+    p = _norms.check_norm_type(norm_type)
+
+    def init_fn(params: PyTree) -> SkipLargeUpdatesState:
+        zero = jnp.zeros((), jnp.int32)
+        return SkipLargeUpdatesState(inner.init(params), zero, zero, jnp.zeros((), jnp.float32))
+
+    def update_fn(updates: PyTree, state: SkipLargeUpdatesState, params: Any = None, **extra: Any):
+        sel = _tree.select(updates, need_clip, what="a global norm")
+        norm = _norms.global_norm([jnp.asarray(x) for x in sel.chosen], p).astype(jnp.float32)
+        skip = ~(norm <= threshold)  # NaN counts as too large
+        new_updates, new_inner = optax.with_extra_args_support(inner).update(
+            updates, state.inner_state, params, **extra
+        )
+        out = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
+        inner_state = jax.tree.map(lambda old, new: jnp.where(skip, old, new), state.inner_state, new_inner)
+        skipped = state.skipped + skip.astype(jnp.int32)
+        consecutive = jnp.where(skip, state.consecutive + 1, 0)
+        return out, SkipLargeUpdatesState(inner_state, skipped, consecutive, norm)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

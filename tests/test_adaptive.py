@@ -1,0 +1,247 @@
+"""Adaptive modes against hand-written float64 references on scripted norm sequences."""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxclip
+import reference as ref
+
+# A scripted sequence of global norms: steady, a spike, a NaN step, steady again.
+NORMS = [1.0, 2.0, 1.5, 3.0, 2.5, 80.0, float("nan"), 2.0, 2.2, 1.8]
+
+
+def _grads(n: float) -> dict[str, jax.Array]:
+    # Global norm n, split over two leaves (3-4-5 triangle).
+    return {"a": jnp.array([0.6 * n], jnp.float32), "b": jnp.array([[0.8 * n]], jnp.float32)}
+
+
+def _run(tx, norms, jit=True):
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(_grads(1.0))
+    outs, states = [], []
+    for n in norms:
+        out, state = update(_grads(n), state)
+        outs.append(float(ref.norm(jax.tree.leaves(out), 2.0)) if np.isfinite(n) else out)
+        states.append(state)
+    return outs, states
+
+
+# ----------------------------------------------------------------------------------------
+# AGC
+
+
+def _agc_reference(g, p, clipping, eps):
+    g, p = ref.f64(g), ref.f64(p)
+    axes = None if g.ndim <= 1 else tuple(range(g.ndim - 1))
+    gn = ref.norm([g], 2.0, axes=axes) if axes else ref.norm([g], 2.0)
+    pn = ref.norm([p], 2.0, axes=axes) if axes else ref.norm([p], 2.0)
+    limit = clipping * np.maximum(pn, eps)
+    return g * np.where(gn <= limit, 1.0, limit / np.where(gn <= limit, 1.0, gn))
+
+
+class AdaptiveClipTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_matches_reference_and_optax(self):
+        rng = np.random.default_rng(0)
+        params = {
+            "kernel": rng.normal(size=(4, 3)).astype(np.float32),
+            "conv": rng.normal(size=(3, 3, 2, 5)).astype(np.float32) * 0.1,
+            "bias": np.zeros(3, np.float32),
+            "scalar": np.float32(2.0),
+        }
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=np.shape(p)) * 3, jnp.float32), params)
+        params = jax.tree.map(jnp.asarray, params)
+        tx = jaxclip.adaptive_clip(0.05)
+        out, _ = self.variant(tx.update)(grads, tx.init(params), params)
+        for k in params:
+            np.testing.assert_allclose(out[k], _agc_reference(grads[k], params[k], 0.05, 1e-3), rtol=2e-6, atol=1e-9)
+        theirs, _ = optax.adaptive_grad_clip(0.05).update(grads, optax.EmptyState(), params)
+        for k in params:
+            np.testing.assert_allclose(out[k], theirs[k], rtol=2e-6, atol=1e-9)
+
+
+def test_adaptive_clip_needs_params_and_axes_override():
+    tx = jaxclip.adaptive_clip(0.1)
+    with pytest.raises(ValueError, match="needs the parameters"):
+        tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
+    g, p = jnp.array([[3.0, 4.0], [30.0, 40.0]]), jnp.array([[1.0, 0.0], [0.0, 1.0]])
+    out, _ = jaxclip.adaptive_clip(1.0, axes=1).update(g, None, p)  # rows as units
+    np.testing.assert_allclose(out, [[0.6, 0.8], [0.6, 0.8]], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# AutoClip
+
+
+@pytest.mark.parametrize("window", [1000, 4])
+def test_auto_clip_scripted(window):
+    pct = 25.0
+    outs, states = _run(jaxclip.auto_clip(pct, window=window), NORMS)
+    history: list[float] = []
+    for n, out, state in zip(NORMS, outs, states):
+        if np.isfinite(n):
+            history = (history + [n])[-window:]
+        threshold = np.percentile(history, pct)
+        np.testing.assert_allclose(optax.tree.get(state, "threshold"), threshold, rtol=1e-6)
+        if np.isfinite(n):
+            np.testing.assert_allclose(out, min(n, threshold), rtol=1e-6)
+        else:
+            assert all(np.all(np.isnan(x)) for x in jax.tree.leaves(out))
+    assert int(states[-1].count) == sum(np.isfinite(NORMS))
+
+
+# ----------------------------------------------------------------------------------------
+# ZClip
+
+
+def _zclip_reference(norms, alpha, z_thresh, warmup, max_norm=None, eps=1e-6):
+    """An independent float64 transcription of the ZClip algorithm."""
+    buf, mean, var, out = [], None, None, []
+    for n in norms:
+        if not np.isfinite(n):
+            out.append(None)
+            continue
+        cap = math.inf if max_norm is None else max_norm
+        if mean is None:
+            buf.append(n)
+            out.append(min(n, cap))
+            if len(buf) == warmup:
+                mean = np.mean(buf)
+                var = np.mean((np.array(buf) - mean) ** 2)
+            continue
+        std = math.sqrt(var)
+        z = (n - mean) / (std + eps)
+        clip = mean + z_thresh * std / (z / z_thresh) if z > z_thresh else n
+        out.append(min(clip, cap, n))
+        mean = alpha * mean + (1 - alpha) * clip
+        var = alpha * var + (1 - alpha) * (clip - mean) ** 2
+    return out
+
+
+@pytest.mark.parametrize("max_norm", [None, 2.4])
+def test_zclip_scripted(max_norm):
+    tx = jaxclip.zclip(alpha=0.9, z_thresh=2.0, warmup_steps=3, max_norm=max_norm)
+    outs, states = _run(tx, NORMS)
+    expected = _zclip_reference(NORMS, 0.9, 2.0, 3, max_norm)
+    for out, e in zip(outs, expected):
+        if e is None:
+            assert all(np.all(np.isnan(x)) for x in jax.tree.leaves(out))
+        else:
+            np.testing.assert_allclose(out, e, rtol=2e-6)
+    assert outs[5] < 4.0  # the spike of 80 is clipped hard
+    assert np.isfinite(float(states[-1].mean)) and np.isfinite(float(states[-1].var))
+
+
+def test_zclip_inside_inject_hyperparams_and_scan():
+    tx = optax.inject_hyperparams(jaxclip.zclip, static_args=("warmup_steps",))(z_thresh=2.0, warmup_steps=3)
+    norms = jnp.array([n for n in NORMS if np.isfinite(n)], jnp.float32)
+
+    def step(state, n):
+        out, state = tx.update(_grads(n), state)
+        return state, ref_norm(out)
+
+    def ref_norm(out):
+        return jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(out)))
+
+    _, got = jax.lax.scan(step, tx.init(_grads(1.0)), norms)
+    expected = _zclip_reference(list(np.asarray(norms)), 0.97, 2.0, 3)
+    np.testing.assert_allclose(got, expected, rtol=2e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# Grouped global norms
+
+
+def test_grouped_global_norm():
+    grads = {"enc": {"w": jnp.array([3.0, 4.0]), "b": jnp.array([12.0])}, "dec": {"w": jnp.array([0.1, 0.2])}}
+    group = lambda path, leaf: path.split("/")[0]  # noqa: E731
+    tx = jaxclip.clip_by_global_norm(1.0, group=group)
+    state = tx.init(grads)
+    assert set(state.global_norm) == {"enc", "dec"}
+    out, state = jax.jit(tx.update)(grads, state)
+    norms = optax.tree.get(state, "global_norm")
+    np.testing.assert_allclose(norms["enc"], 13.0, rtol=1e-6)
+    np.testing.assert_allclose(norms["dec"], ref.norm([grads["dec"]["w"]], 2.0), rtol=1e-6)
+    np.testing.assert_allclose(out["enc"]["b"], [12.0 / 13.0], rtol=1e-6)
+    np.testing.assert_array_equal(out["dec"]["w"], grads["dec"]["w"])  # its own norm is below 1
+
+
+# ----------------------------------------------------------------------------------------
+# Spike skipping
+
+
+def test_skip_large_updates_keeps_inner_state():
+    tx = jaxclip.skip_large_updates(optax.adam(0.1), threshold=10.0)
+    state = tx.init(_grads(1.0))
+    update = jax.jit(tx.update)
+    out, state = update(_grads(2.0), state)
+    before = state
+    for n in [80.0, float("nan")]:
+        out, state = update(_grads(n), state)
+        assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out))
+        chex.assert_trees_all_equal(state.inner_state, before.inner_state)
+    assert int(state.skipped) == 2 and int(state.consecutive) == 2
+    out, state = update(_grads(3.0), state)
+    assert int(state.consecutive) == 0 and int(state.skipped) == 2
+    assert int(optax.tree.get(state, "count")) == 2  # adam counted the two applied steps
+    np.testing.assert_allclose(state.global_norm, 3.0, rtol=1e-6)
+    assert all(np.all(np.asarray(x) != 0) for x in jax.tree.leaves(out))
+
+
+# ----------------------------------------------------------------------------------------
+# End to end: a spike injected into a small model's training.
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxclip.zclip(warmup_steps=5),
+        lambda: jaxclip.auto_clip(10.0, window=50),
+        lambda: jaxclip.skip_large_updates(optax.identity(), threshold=50.0),
+        lambda: jaxclip.clip_by_global_norm(5.0),
+    ],
+    ids=["zclip", "auto_clip", "skip", "global"],
+)
+def test_spike_in_training_keeps_loss_finite(make):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(64, 4)), jnp.float32)
+    y = x @ jnp.array([1.0, -2.0, 0.5, 3.0])
+    params = {"w": jnp.zeros(4), "b": jnp.zeros(())}
+    loss = lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2)  # noqa: E731
+    tx = optax.chain(make(), optax.sgd(0.05))
+
+    @jax.jit
+    def step(p, s, spike):
+        l, g = jax.value_and_grad(loss)(p)
+        g = jax.tree.map(lambda t: t * spike, g)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, l
+
+    s = tx.init(params)
+    losses = []
+    for i in range(40):
+        params, s, l = step(params, s, jnp.float32(1e6 if i == 20 else 1.0))
+        losses.append(float(l))
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < losses[19]  # still learning after the spike
+    # Unclipped, the same spike sends the loss to ~1e12.
+    assert losses[21] < 10 * losses[0]
+
+
+def test_inject_hyperparams_with_defaults():
+    grads = _grads(5.0)
+    tx = optax.inject_hyperparams(jaxclip.auto_clip)(percentile=50.0)
+    out, state = jax.jit(tx.update)(grads, tx.init(grads))
+    np.testing.assert_allclose(optax.tree.get(state, "threshold"), 5.0, rtol=1e-6)
+    tx = optax.inject_hyperparams(jaxclip.adaptive_clip)(clipping=0.1)
+    params = jax.tree.map(lambda g: jnp.ones_like(g), grads)
+    out, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    np.testing.assert_allclose(out["a"], [0.1], rtol=1e-6)  # |g| = 3 > 0.1 * |p| = 0.1
