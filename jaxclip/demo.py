@@ -93,7 +93,10 @@ def make_chunk(clip: optax.GradientTransformation, chunk: int) -> Callable:
     return run
 
 
-def train(name: str, make: Callable[[], optax.GradientTransformation], steps: int, chunk: int, bar: Any) -> Trace:
+def train(
+    name: str, make: Callable[[], optax.GradientTransformation], steps: int, chunk: int, bar: Any = None
+) -> Trace:
+    """Trains one mode for ``steps`` steps (``chunk`` steps per compiled scan)."""
     clip = make()
     params = init_params(jax.random.key(0))
     carry = (params, clip.init(params), optax.sgd(LR).init(params))
@@ -103,7 +106,8 @@ def train(name: str, make: Callable[[], optax.GradientTransformation], steps: in
     for k in keys:
         carry, metrics = run(carry, k)
         out.append(jax.tree.map(np.asarray, metrics))
-        bar.update(chunk)
+        if bar is not None:
+            bar.update(chunk)
     loss, pre, clipped = (np.concatenate(m) for m in zip(*out))
     return Trace(loss, pre, clipped)
 
