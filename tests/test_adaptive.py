@@ -245,3 +245,26 @@ def test_inject_hyperparams_with_defaults():
     params = jax.tree.map(lambda g: jnp.ones_like(g), grads)
     out, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     np.testing.assert_allclose(out["a"], [0.1], rtol=1e-6)  # |g| = 3 > 0.1 * |p| = 0.1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxclip.auto_clip(10.0, window=8),
+        lambda: jaxclip.zclip(warmup_steps=2),
+        lambda: jaxclip.skip_large_updates(optax.adam(1e-3), 5.0),
+        lambda: jaxclip.clip_by_global_norm(1.0, group=lambda path, leaf: path[0]),
+        lambda: jaxclip.adaptive_clip(0.1),
+    ],
+    ids=["auto_clip", "zclip", "skip", "group", "agc"],
+)
+def test_init_matches_update_structure_and_dtypes(make):
+    tx = make()
+    grads = _grads(3.0)
+    s0 = tx.init(grads)
+    s1 = jax.jit(tx.update)(grads, s0, grads)[1]
+    s2 = jax.jit(tx.update)(_grads(float("nan")), s1, grads)[1]
+    for s in (s1, s2):
+        chex.assert_trees_all_equal_structs(s0, s)
+        chex.assert_trees_all_equal_dtypes(s0, s)
+        chex.assert_trees_all_equal_shapes(s0, s)
