@@ -12,7 +12,10 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 settings.register_profile(
     "jaxclip",
     max_examples=60,
+    derandomize=os.environ.get("CI", "").lower() == "true",  # CI: the same examples every run
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-settings.load_profile("jaxclip")
+# A longer local sweep: JAXCLIP_HYPOTHESIS=stress python -m pytest tests/test_properties.py
+settings.register_profile("stress", parent=settings.get_profile("jaxclip"), max_examples=600, derandomize=False)
+settings.load_profile(os.environ.get("JAXCLIP_HYPOTHESIS", "jaxclip"))

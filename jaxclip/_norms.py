@@ -173,7 +173,17 @@ def root(s: Array, p: float) -> Array:
         return s
     zero = s == 0
     safe = jnp.where(zero, 1, s)
-    r = jnp.sqrt(safe) if p == 2.0 else jnp.power(safe, 1.0 / p)
+    if p == 2.0:
+        r = jnp.sqrt(safe)
+    elif p == int(p) and p <= 64:
+        # 1/p is inexact in float32 and pow magnifies that by ln(s) (up to ~15 ulps at
+        # s ~ 1e38); take out 2^(p*q) exactly first, so that ln of the rest is < p ln 2.
+        k = int(p)
+        q = jnp.floor_divide(lax.stop_gradient(jnp.frexp(safe)[1]), k)
+        q = jnp.where(jnp.isfinite(safe), q, 0)
+        r = jnp.ldexp(jnp.power(jnp.ldexp(safe, -k * q), 1.0 / p), q)
+    else:
+        r = jnp.power(safe, 1.0 / p)
     return jnp.where(zero, 0, r)
 
 

@@ -98,7 +98,10 @@ def test_clipping_twice_equals_once(case):
     twice, _ = _global(p)(once, c)
     eps = float(jnp.finfo(dtype).eps)
     for a, b in zip(once, twice):
-        np.testing.assert_allclose(ref.f64(b), ref.f64(a), rtol=4 * eps, atol=float(jnp.finfo(dtype).smallest_subnormal))
+        # The second clip rescales by at most the norm's own error (a few f32 ulps).
+        np.testing.assert_allclose(
+            ref.f64(b), ref.f64(a), rtol=4 * eps + F32_ULPS, atol=float(jnp.finfo(dtype).smallest_subnormal)
+        )
 
 
 @given(st.lists(st.booleans(), min_size=3, max_size=3), st.sampled_from(["value", "norm", "global"]))
