@@ -151,3 +151,16 @@ def test_no_upcast_copy_in_temporaries(mode, dtype):
     nbytes = sum(x.nbytes for x in jax.tree.leaves(g))
     # A widened copy of either leaf would be >= 33% of the gradient bytes.
     assert temp <= 0.02 * nbytes, (temp, nbytes)
+
+
+@pytest.mark.parametrize("p", [3.0, 4.0, 5.0])
+def test_integer_p_norms_stay_within_a_few_ulps_at_any_magnitude(p):
+    # pow(s, 1/p) with an inexact 1/p loses ~ln(s) * 2^-25 (15 ulps near 1e38) without the
+    # exact power-of-two split in _norms.root.
+    rng = np.random.default_rng(7)
+    worst = 0.0
+    for e in [-12, 0, 6, 12, 20, 25]:
+        for _ in range(5):
+            x = jnp.asarray(rng.normal(size=50) * 10.0**e, jnp.float32)
+            worst = max(worst, abs(float(jaxclip.global_norm([x], p)) / ref.norm([x], p) - 1))
+    assert worst <= 4 * 2.0**-24, worst / 2.0**-24
