@@ -138,6 +138,12 @@ def _mask_entries(
     return out
 
 
+def leaves_by_path(tree: PyTree) -> dict[str, Any]:
+    """Every leaf of ``tree`` keyed by its ``/``-joined path, with no selection or checks."""
+    flat, _ = jtu.tree_flatten_with_path(tree)
+    return {path_str(p): x for p, x in flat}
+
+
 def _is_empty_node(x: Any) -> bool:
     return x is None or (isinstance(x, tuple) and len(jtu.tree_leaves(x)) == 0)
 

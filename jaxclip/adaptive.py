@@ -1,7 +1,7 @@
 """Adaptive clipping: AGC, AutoClip, ZClip and spike skipping.
 
-Every mode takes its norms from ``_norms`` (through the ``clip_tree_*`` functions) and
-keeps its statistics in a ``NamedTuple`` state whose fields ``optax.tree.get`` finds.
+Every mode takes its selection from ``_tree`` and its norms from ``_norms``, and keeps
+its statistics in a ``NamedTuple`` state whose fields ``optax.tree.get`` finds.
 """
 
 from __future__ import annotations
@@ -94,8 +94,7 @@ def adaptive_clip(
                 "jaxclip.adaptive_clip needs the parameters: call update(grads, state, params)."
             )
         sel = _tree.select(updates, need_clip, what="adaptive clipping")
-        psel = _tree.select(params, lambda path, leaf: True, what="adaptive clipping")
-        pleaves = dict(zip(psel.paths, psel.leaves))
+        pleaves = _tree.leaves_by_path(params)
         gs = [jnp.asarray(g) for g in sel.chosen]
         missing = [p for p in sel.chosen_paths if p not in pleaves]
         if missing:

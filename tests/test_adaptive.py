@@ -268,3 +268,12 @@ def test_init_matches_update_structure_and_dtypes(make):
         chex.assert_trees_all_equal_structs(s0, s)
         chex.assert_trees_all_equal_dtypes(s0, s)
         chex.assert_trees_all_equal_shapes(s0, s)
+
+
+def test_adaptive_clip_with_integer_params_and_float0_grads():
+    params = {"w": jnp.array([[0.0], [4.0]]), "step": jnp.array(3, jnp.int32)}
+    grads = {"w": jnp.array([[0.0], [16.0]]), "step": np.zeros((), jax.dtypes.float0)}
+    tx = jaxclip.adaptive_clip(0.5)
+    out, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_allclose(out["w"], [[0.0], [2.0]], rtol=1e-6)
+    assert out["step"] is grads["step"]
