@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxclip import _norms, _tree
-from jaxclip.clipping import Axes, _check_axes, _check_clip_norm, _concrete, _leaf_axes
+from jaxclip.clipping import Axes, _check_axes, _check_clip_norm, _concrete, _leaf_axes, _rescaled
 
 Array = jax.Array
 PyTree = Any
@@ -192,18 +192,13 @@ def auto_clip(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _selected(updates: PyTree, need_clip: _tree.NeedClip) -> tuple[_tree.Selection, list[Array], Array]:
-    """The selection, its leaves as arrays and their global L2 norm (float32)."""
+def _selected(
+    updates: PyTree, need_clip: _tree.NeedClip, p: float = 2.0
+) -> tuple[_tree.Selection, list[Array], Array]:
+    """The selection, its leaves as arrays and their global p-norm (float32)."""
     sel = _tree.select(updates, need_clip, what="adaptive clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
-    return sel, xs, _norms.global_norm(xs, 2.0).astype(jnp.float32)
-
-
-def _rescaled(sel: _tree.Selection, xs: list[Array], norm: Array, threshold: Array) -> PyTree:
-    """The updates with the selected leaves scaled from global norm ``norm`` to at most
-    ``threshold`` (NaN/inf propagate as in clip_by_global_norm)."""
-    scale = _norms.clip_scale(norm, threshold)
-    return sel.rebuild([_norms.apply_scale(x, scale) for x in xs])
+    return sel, xs, _norms.global_norm(xs, p).astype(jnp.float32)
 
 
 class ZClipState(NamedTuple):
@@ -368,8 +363,7 @@ def skip_large_updates(
         return SkipLargeUpdatesState(inner.init(params), zero, zero, jnp.zeros((), jnp.float32))
 
     def update_fn(updates: PyTree, state: SkipLargeUpdatesState, params: Any = None, **extra: Any):
-        sel = _tree.select(updates, need_clip, what="a global norm")
-        norm = _norms.global_norm([jnp.asarray(x) for x in sel.chosen], p).astype(jnp.float32)
+        norm = _selected(updates, need_clip, p)[2]
         skip = ~(norm <= threshold)  # NaN counts as too large
         new_updates, new_inner = optax.with_extra_args_support(inner).update(
             updates, state.inner_state, params, **extra

@@ -312,8 +312,14 @@ def clip_tree_by_global_norm(
         norm = jnp.asarray(use_norm, _norms.result_dtype(xs))
     if error_if_nonfinite:
         _norms.raise_if_nonfinite([norm], ["global norm"])
+    return _rescaled(sel, xs, norm, clip_norm), norm
+
+
+def _rescaled(sel: _tree.Selection, xs: Sequence[Array], norm: Array, clip_norm: Any) -> PyTree:
+    """The tree with the selected leaves ``xs``, of joint norm ``norm``, scaled to at most
+    ``clip_norm`` (unchecked, so adaptive thresholds may be traced, NaN or inf)."""
     scale = _norms.clip_scale(norm, clip_norm)
-    return sel.rebuild([_norms.apply_scale(x, scale) for x in xs]), norm
+    return sel.rebuild([_norms.apply_scale(x, scale) for x in xs])
 
 
 def _group_labels(
