@@ -3,29 +3,43 @@
 A p-norm ``(sum |x|^p)^(1/p)`` (``max |x|`` for ``p=inf``) is computed in one pass in
 the common case: the plain power sum, accumulated in float32 (float64 for float64
 leaves) with the upcast fused into the reduction, so no widened copy of the gradients
-exists. Only when that sum is outside the range where it is exact -- it overflowed,
-is non-finite, or is so small that elements may have underflowed -- does a
-``lax.cond`` take the scaled path: divide by the largest magnitude (as BLAS ``nrm2``
-does), sum, and multiply back. Roots and divisions are guarded so that ``jax.grad``
-and ``jax.jvp`` stay finite at zero.
+exists. Only when that sum is outside the range where it is exact -- it overflowed, is
+non-finite, or is so small that elements may have underflowed -- does a ``lax.cond``
+take the scaled path: per array (or slice), scale by the power of two of its largest
+magnitude (exact, never a subnormal factor), sum, and combine the parts by their
+exponents. A one-pass three-accumulator norm (Blue 1978, LAPACK 3.10 ``nrm2``) was
+measured and rejected: XLA:CPU runs such a variadic reduce 8x slower than a plain sum.
+
+Norms are carried as :class:`Norm` ``(frac, exp)``, ``norm = frac * 2**exp``, so that
+the clipping factor ``c / norm`` is exact even where the norm or the factor is outside
+float32's normal range (gradients near float32's largest value, tiny thresholds).
+Derivatives come from one ``custom_jvp`` rule, ``d||x||_p = sum sign(x) (|x|/n)^(p-1) dx``,
+evaluated overflow-free from ``(frac, exp)``: the scaled path's branch points never leak
+into gradients.
 
 Many small leaves are concatenated into one buffer per dtype ("bucketing") before a
 global reduction, so a thousand-leaf tree compiles to a handful of reduction kernels.
 Only leaves that live whole on one device are bucketed: concatenating sharded leaves
 would make XLA all-gather them.
 
-XLA:CPU needs three measures to keep widened copies of bf16/f16 gradients out of memory
-(each guarded by a ``memory_analysis()`` test): reductions read the leaves through an
-optimisation barrier (:func:`_reduction_view`), f16 leaves, 16-bit buckets and the rare
-path use a reduce XLA fuses itself (:func:`_reduce`), and bf16 buckets are concatenated as
-16-bit words (:func:`_concatenate`). On GPU/TPU they cost nothing.
+XLA:CPU needs three measures to keep widened copies of low-precision gradients out of
+memory (each guarded by a ``memory_analysis()`` test): reductions read the leaves through
+an optimisation barrier (:func:`_reduction_view`), f16/f8 leaves, 16-bit buckets and the
+rare path use a reduce XLA fuses itself (:func:`_reduce`), and bf16 buckets are
+concatenated as 16-bit words (:func:`_concatenate`). XLA's own fused reduce accumulates
+sequentially, so it runs over blocks of :data:`BLOCK` elements whose results are summed
+by the library reduction: the rounding error stays that of a ``BLOCK``-term sum.
+On GPU/TPU these measures cost nothing.
+
+Where the backend flushes subnormals (XLA:CPU does), subnormal inputs count as zero in
+every norm; they are still returned bit for bit when nothing is clipped.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any, Optional, Union
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +48,12 @@ from jax import lax
 
 Array = jax.Array
 AxisName = Union[None, str, tuple[str, ...]]
+Axes = Optional[tuple[int, ...]]
 
 #: Leaves at most this many bytes may be copied into a bucket before a global reduction.
 BUCKET_MAX_BYTES = 64 * 1024
+#: XLA's fused (sequential) reduce runs over blocks of this many elements.
+BLOCK = 2048
 
 
 def acc_dtype(dtype: Any) -> np.dtype:
@@ -102,6 +119,7 @@ def check_norm_type(norm_type: Any) -> float:
     return p
 
 
+
 def _abs(x: Array, acc: np.dtype) -> Array:
     """|x| in the accumulation dtype (the convert fuses into the consumer)."""
     if jnp.iscomplexobj(x):
@@ -110,7 +128,7 @@ def _abs(x: Array, acc: np.dtype) -> Array:
 
 
 def _power(a: Array, p: float) -> Array:
-    """a**p for a >= 0, with a zero derivative at a == 0 for every p."""
+    """a**p for a >= 0; NaN stays NaN for every p."""
     if p == 1.0:
         return a
     if p == 2.0:
@@ -118,7 +136,7 @@ def _power(a: Array, p: float) -> Array:
     if p == int(p) and p <= 8:
         return lax.integer_pow(a, int(p))
     pos = a > 0
-    return jnp.where(pos, jnp.power(jnp.where(pos, a, 1), p), 0)
+    return jnp.where(pos, jnp.power(jnp.where(pos, a, 1), p), a)
 
 
 def _power_abs(x: Array, p: float, acc: np.dtype) -> Array:
@@ -128,47 +146,60 @@ def _power_abs(x: Array, p: float, acc: np.dtype) -> Array:
     return _power(_abs(x, acc), p)
 
 
-def _native(x: Array, bucketed: bool, rare: bool = False) -> bool:
-    """Whether ``x`` is reduced by XLA's own fused reduce (see :func:`_reduce`): f16 leaves,
-    16-bit buckets, and everything on the rare path; never a sharded leaf, whose variadic
-    reduce XLA would partition with an all-gather."""
-    wanted = rare or x.dtype == np.float16 or (bucketed and x.dtype.itemsize < 4)
-    return wanted and _one_device(x)
+# ----------------------------------------------------------------------------------------
+# Exact powers of two, and norms as (frac, exp).
 
 
-def _reduce(x: Array, v: Array, axes: Optional[tuple[int, ...]], op: str, native: bool) -> Array:
-    """Sum or max of ``v`` (computed from ``x``) over ``axes`` with keepdims, in one pass.
-
-    XLA:CPU's library reduction kernels cannot fuse an f16 -> f32 convert, nor a
-    concatenation, and then materialise a widened copy of the leaf (or bucket); XLA
-    fuses both into a variadic reduce of its own. With ``native`` the reduce
-    therefore also takes ``min |x|``, tied into the result (``min >= 0`` unless NaN,
-    when the result is NaN anyway) so that it is not simplified back into a plain one.
-    """
-    if not native:
-        return (jnp.sum if op == "sum" else jnp.max)(v, axis=axes, keepdims=True)
-    dims = tuple(range(x.ndim)) if axes is None else axes
-    zero = jnp.zeros((), v.dtype)
-    combine = jnp.add if op == "sum" else jnp.maximum
-    r, low = lax.reduce(
-        (v, _abs(x, v.dtype)),
-        (zero, jnp.asarray(jnp.inf, v.dtype)),
-        lambda a, b: (combine(a[0], b[0]), jnp.minimum(a[1], b[1])),
-        dims,
-    )
-    r = jnp.where(low >= 0, r, jnp.nan)
-    return r.reshape(tuple(1 if i in dims else d for i, d in enumerate(x.shape)))
+def _pow2(k: Array, dtype: Any) -> Array:
+    """Exactly ``2**k`` for integer-valued ``k``, clamped to ``dtype``'s normal range."""
+    dtype = np.dtype(dtype)
+    info = np.finfo(dtype)
+    itype = np.int32 if dtype.itemsize == 4 else np.int64
+    k = jnp.clip(jnp.asarray(k), info.minexp, info.maxexp - 1).astype(itype)
+    return lax.bitcast_convert_type((k + (info.maxexp - 1)) << info.nmant, dtype)
 
 
-def _power_sum(
-    x: Array, p: float, axes: Optional[tuple[int, ...]], acc: np.dtype, native: bool
-) -> Array:
-    """``sum |x|^p`` over ``axes`` (keepdims), accumulated in ``acc``."""
-    return _reduce(x, _power_abs(x, p, acc), axes, "sum", native)
+def ldexp(x: Array, e: Array) -> Array:
+    """``x * 2**e`` in ``x``'s dtype, exact unless the result is outside the normal range;
+    ``e`` may exceed the exponent range (applied as three normal factors)."""
+    dtype = x.real.dtype if jnp.iscomplexobj(x) else x.dtype
+    info = np.finfo(dtype)
+    lo, hi = info.minexp, info.maxexp - 1
+    e = jnp.asarray(e, dtype)
+    e1 = jnp.clip(e, lo, hi)
+    e2 = jnp.clip(e - e1, lo, hi)
+    e3 = e - e1 - e2
+    return x * _pow2(e1, dtype) * _pow2(e2, dtype) * _pow2(e3, dtype)
+
+
+class Norm(NamedTuple):
+    """A norm as ``frac * 2**exp``: ``frac`` in ``[0.5, 1)``, or 0, inf or NaN with
+    ``exp == 0``; ``exp`` an integer held in ``frac``'s dtype. Exact where the value
+    itself would overflow (the norm of four float32 values of 3e38)."""
+
+    frac: Array
+    exp: Array
+
+    @property
+    def value(self) -> Array:
+        """The norm as a number (inf where it exceeds the dtype's range)."""
+        return ldexp(self.frac, self.exp)
+
+
+def as_norm(value: Array) -> Norm:
+    """A :class:`Norm` from a norm given as a number (``use_norm``)."""
+    frac, exp = jnp.frexp(value)
+    return Norm(frac, exp.astype(frac.dtype))
+
+
+def _exponent(m: Array) -> Array:
+    """The exponent ``e`` with ``m = f * 2**e``, ``f`` in [0.5, 1), as a float; 0 where
+    ``m`` is zero or not finite."""
+    return jnp.frexp(m)[1].astype(m.dtype)
 
 
 def root(s: Array, p: float) -> Array:
-    """s**(1/p) with finite derivatives at s == 0; NaN and inf pass through."""
+    """s**(1/p) for s >= 0; NaN and inf pass through."""
     if p == 1.0:
         return s
     zero = s == 0
@@ -179,7 +210,7 @@ def root(s: Array, p: float) -> Array:
         # 1/p is inexact in float32 and pow magnifies that by ln(s) (up to ~15 ulps at
         # s ~ 1e38); take out 2^(p*q) exactly first, so that ln of the rest is < p ln 2.
         k = int(p)
-        q = jnp.floor_divide(lax.stop_gradient(jnp.frexp(safe)[1]), k)
+        q = jnp.floor_divide(jnp.frexp(safe)[1], k)
         q = jnp.where(jnp.isfinite(safe), q, 0)
         r = jnp.ldexp(jnp.power(jnp.ldexp(safe, -k * q), 1.0 / p), q)
     else:
@@ -187,20 +218,16 @@ def root(s: Array, p: float) -> Array:
     return jnp.where(zero, 0, r)
 
 
-def _exact_range(s: Array) -> Array:
-    """Whether a power sum is exact as it stands (no overflow, no lost underflow).
-
-    Elements whose power underflowed lose at most ``n * tiny`` in all; above
-    ``tiny * 2**64`` that is far below an ulp of the sum for any realistic ``n``.
-    """
-    lo = float(jnp.finfo(s.dtype).tiny) * 2.0**64
+def _exact_range(s: Array, acc: np.dtype) -> Array:
+    """Whether a power sum accumulated in ``acc`` is exact as it stands (no overflow, no
+    lost underflow): elements whose power underflowed lose at most ``n * tiny`` in all,
+    far below an ulp of any sum above ``tiny * 2**64`` for a realistic ``n``."""
+    lo = float(np.finfo(acc).tiny) * 2.0**64
     return (s >= lo) & (s < jnp.inf)
 
 
-def _safe_divisor(m: Array) -> tuple[Array, Array]:
-    """(m where it is positive and finite else 1, that mask)."""
-    good = (m > 0) & jnp.isfinite(m)
-    return jnp.where(good, m, 1), good
+# ----------------------------------------------------------------------------------------
+# Reductions.
 
 
 def _reduction_view(arrays: Sequence[Array]) -> list[Array]:
@@ -214,29 +241,162 @@ def _reduction_view(arrays: Sequence[Array]) -> list[Array]:
     return list(lax.optimization_barrier(list(arrays))) if arrays else []
 
 
-def _axis_size_known(axis_name: AxisName) -> bool:
-    return axis_name is not None and axis_name != ()
+def _native(x: Array, bucketed: bool, rare: bool = False) -> bool:
+    """Whether ``x`` is reduced by XLA's own fused reduce (see :func:`_reduce`): f16 and
+    8-bit leaves, 16-bit buckets, and 16-bit leaves on the rare path; never a sharded
+    leaf, whose variadic reduce XLA would partition with an all-gather."""
+    small = x.dtype.itemsize < 4 and not jnp.iscomplexobj(x)
+    wanted = small and (x.dtype != jnp.bfloat16 or bucketed or rare)
+    return wanted and _one_device(x)
+
+
+def _fused_reduce(x: Array, elem: Callable[[Array], Array], dims: tuple[int, ...], op: str) -> Array:
+    """``op`` of ``elem(x)`` over ``dims`` (dropped) as one variadic reduce XLA fuses itself.
+
+    The reduce also takes ``min |x|``, tied into the result (``min >= 0`` unless NaN, when
+    the result is NaN anyway), so that it is not simplified back into a library reduce.
+    """
+    v = elem(x)
+    zero = jnp.zeros((), v.dtype)
+    combine = jnp.add if op == "sum" else jnp.maximum
+    r, low = lax.reduce(
+        (v, _abs(x, v.dtype)),
+        (zero, jnp.asarray(jnp.inf, v.dtype)),
+        lambda a, b: (combine(a[0], b[0]), jnp.minimum(a[1], b[1])),
+        dims,
+    )
+    return jnp.where(low >= 0, r, jnp.nan)
+
+
+def _reduce(x: Array, elem: Callable[[Array], Array], axes: Axes, op: str, native: bool) -> Array:
+    """Sum or max of ``elem(x)`` over ``axes`` (all when None), with keepdims.
+
+    ``elem`` is elementwise, applied to ``x`` or to a reshaped part of it. With ``native``
+    the reduction is XLA's fused one: XLA:CPU's library kernels cannot fuse an f16 -> f32
+    convert nor a concatenation and would materialise a widened copy. That reduce is
+    sequential, so a whole-array reduction runs over rows of :data:`BLOCK` elements whose
+    results a library reduction adds (pairwise-accurate).
+    """
+    dims = tuple(range(x.ndim)) if axes is None else axes
+    kept = tuple(1 if i in dims else d for i, d in enumerate(x.shape))
+    if not native:
+        return (jnp.sum if op == "sum" else jnp.max)(elem(x), axis=dims, keepdims=True)
+    if len(dims) < x.ndim or x.size <= BLOCK:
+        return _fused_reduce(x, elem, dims, op).reshape(kept)
+    flat = x.reshape(-1)
+    rows = x.size // BLOCK
+    parts = _fused_reduce(flat[: rows * BLOCK].reshape(rows, BLOCK), elem, (1,), op)
+    if op == "sum":
+        r = jnp.sum(parts)
+        if rows * BLOCK < x.size:
+            r = r + _fused_reduce(flat[rows * BLOCK :], elem, (0,), op)
+    else:
+        r = jnp.max(parts)
+        if rows * BLOCK < x.size:
+            r = jnp.maximum(r, _fused_reduce(flat[rows * BLOCK :], elem, (0,), op))
+    return r.reshape(kept)
+
+
+def _max_abs(x: Array, axes: Axes, acc: np.dtype, native: bool) -> Array:
+    if x.size == 0:
+        shape = tuple(1 if (axes is None or i in axes) else d for i, d in enumerate(x.shape))
+        return jnp.zeros(shape, acc)
+    return _reduce(x, lambda v: _abs(v, acc), axes, "max", native)
+
+
+def _power_sum(x: Array, p: float, axes: Axes, native: bool) -> Array:
+    """``sum |x|^p`` over ``axes`` (keepdims), in ``x``'s accumulation dtype."""
+    acc = acc_dtype(x.dtype)
+    return _reduce(x, lambda v: _power_abs(v, p, acc), axes, "sum", native)
+
+
+def _scaled_parts(x: Array, p: float, axes: Axes, native: bool) -> tuple[Array, Array, Array]:
+    """The rare path for one array: ``(m, e, t)`` per slice, ``m = max |x|`` with exponent
+    ``e`` (float; -inf where ``m`` is 0 or not finite) and ``t = sum (|x| 2**-e)^p``, each
+    term at most 1, so nothing overflows and only negligible terms underflow."""
+    acc = acc_dtype(x.dtype)
+    m = _max_abs(x, axes, acc, native)
+    x = lax.optimization_barrier((x, m))[0]  # a second, separately fused read
+    e = _exponent(m)
+    good = (m > 0) & jnp.isfinite(m)
+    if axes is None or len(axes) == x.ndim:
+        e = e.reshape(())
+    half = jnp.floor(-e / 2)
+    f1, f2 = _pow2(half, acc), _pow2(-e - half, acc)  # 2**-e as two normal factors
+    t = _reduce(x, lambda v: _power(_abs(v, acc) * f1 * f2, p), axes, "sum", native)
+    e = e.reshape(m.shape)
+    return m, jnp.where(good, e, -jnp.inf), t
+
+
+def _from_root(r: Array, e: Array) -> Norm:
+    """The norm ``r * 2**e`` as a normalised :class:`Norm`."""
+    frac, k = jnp.frexp(r)
+    return Norm(frac, k.astype(frac.dtype) + e)
+
+
+def _special(m: Array, norm: Norm) -> Norm:
+    """``norm`` where the largest magnitude ``m`` is positive and finite; else the norm is
+    0 (all zeros) or ``m`` itself (inf, or NaN: PyTorch's propagation)."""
+    good = (m > 0) & jnp.isfinite(m)
+    frac = jnp.where(good, norm.frac, jnp.where(m == 0, 0, m)).astype(norm.frac.dtype)
+    return Norm(frac, jnp.where(good, norm.exp, 0).astype(norm.frac.dtype))
 
 
 def _psum(x: Array, axis_name: AxisName) -> Array:
-    return lax.psum(x, axis_name) if _axis_size_known(axis_name) else x
+    return lax.psum(x, axis_name) if axis_name not in (None, ()) else x
 
 
 def _pmax(x: Array, axis_name: AxisName) -> Array:
-    return lax.pmax(x, axis_name) if _axis_size_known(axis_name) else x
+    return lax.pmax(x, axis_name) if axis_name not in (None, ()) else x
 
 
 # ----------------------------------------------------------------------------------------
-# Per-slice norms (clip_by_norm): one norm per leaf, or per slice over `axes`.
+# Derivatives: one rule for every norm.
+
+
+def _tangent(x: Array, dx: Array, norm: Norm, p: float, axes: Axes) -> Array:
+    """``sum sign(x) (|x|/n)^(p-1) dx`` over ``axes`` (keepdims); for ``p=inf`` the
+    derivative of the max, shared among ties. 0 where the norm is 0."""
+    acc = norm.frac.dtype
+    a = _abs(x, acc)
+    if jnp.iscomplexobj(x):
+        unit = jnp.conj(x) / jnp.where(a > 0, a, 1).astype(x.dtype)
+        d = jnp.real(unit * dx.astype(x.dtype)).astype(acc)
+    else:
+        d = (jnp.sign(x).astype(acc) * dx.astype(acc)).astype(acc)
+    dims = tuple(range(x.ndim)) if axes is None else axes
+    ratio = ldexp(a, -norm.exp) / jnp.where(norm.frac > 0, norm.frac, 1)  # |x| / n <= 1
+    if p == math.inf:
+        top = a == norm.value
+        w = top.astype(acc) / jnp.maximum(jnp.sum(top, axis=dims, keepdims=True), 1).astype(acc)
+    elif p == 1.0:
+        w = jnp.ones_like(ratio)
+    else:
+        pos = ratio > 0
+        w = jnp.where(pos, jnp.power(jnp.where(pos, ratio, 1), p - 1), 0)
+    return jnp.sum(w * d, axis=dims, keepdims=True)
+
+
+def _dnorm(norm: Norm, dn: Array) -> tuple[Array, Array]:
+    """The tangent of ``(frac, exp)`` from the tangent ``dn`` of the norm's value; NaN
+    where the norm is not finite, 0 where it is 0."""
+    finite = jnp.isfinite(norm.frac)
+    dfrac = jnp.where(finite, ldexp(dn, -norm.exp), jnp.nan)
+    dfrac = jnp.where(norm.frac == 0, 0, dfrac)
+    return dfrac, jnp.zeros_like(norm.exp)
+
+
+# ----------------------------------------------------------------------------------------
+# Per-slice norms (clip_by_norm, adaptive_clip): one norm per leaf, or per slice.
 
 
 def slice_norms(
     leaves: Sequence[Array],
     p: float,
-    axes: Sequence[Optional[tuple[int, ...]]],
+    axes: Sequence[Axes],
     *,
     bucket: bool = True,
-) -> list[Array]:
+) -> list[Norm]:
     """Norms of each leaf over its ``axes`` (all axes when None), with ``keepdims``.
 
     Small whole-leaf norms are computed in buckets: leaves of one dtype and size class
@@ -250,10 +410,10 @@ def slice_norms(
       bucket: bucket small single-device leaves whose ``axes`` is None.
 
     Returns:
-      Per leaf, an array broadcastable against it, in its accumulation dtype.
+      Per leaf, a :class:`Norm` broadcastable against it, in its accumulation dtype.
     """
     units: list[Array] = []
-    unit_axes: list[Optional[tuple[int, ...]]] = []
+    unit_axes: list[Axes] = []
     where: list[tuple[int, int]] = []  # per leaf: (unit, row), row -1 for a whole unit
     groups: dict[tuple[np.dtype, int], list[int]] = {}
     leaves = _reduction_view(leaves)
@@ -273,69 +433,54 @@ def slice_norms(
             where[i] = (len(units), row)
         units.append(_concatenate([r[None] for r in rows]))
         unit_axes.append((1,))
-    bucketed = [False] * (len(units) - len(groups)) + [True] * len(groups)
-    norms = _unit_norms(units, p, unit_axes, bucketed)
+    bucketed = (False,) * (len(units) - len(groups)) + (True,) * len(groups)
+    norms = _unit_norms(tuple(units), p, tuple(unit_axes), bucketed) if units else []
     out = []
     for x, (u, row) in zip(leaves, where):
-        out.append(norms[u] if row < 0 else norms[u][row].reshape((1,) * x.ndim))
+        n = norms[u]
+        out.append(n if row < 0 else Norm(*(v[row].reshape((1,) * x.ndim) for v in n)))
     return out
 
 
-def _unit_norms(
-    leaves: Sequence[Array],
-    p: float,
-    axes: Sequence[Optional[tuple[int, ...]]],
-    bucketed: Sequence[bool],
-) -> list[Array]:
+def _unit_norms_impl(
+    units: tuple[Array, ...], p: float, axes: tuple[Axes, ...], bucketed: tuple[bool, ...]
+) -> list[Norm]:
     """Norms over ``axes`` (keepdims) of each array, overflow-safe, with one shared cond."""
-    if not leaves:
-        return []
-    accs = [acc_dtype(x.dtype) for x in leaves]
-    natives = [_native(x, b) for x, b in zip(leaves, bucketed)]
+    natives = [_native(x, b) for x, b in zip(units, bucketed)]
+    accs = [acc_dtype(x.dtype) for x in units]
     if p == math.inf:
-        return [_max_abs(*args) for args in zip(leaves, axes, accs, natives)]
-    sums = [_power_sum(x, p, a, acc, nat) for x, a, acc, nat in zip(leaves, axes, accs, natives)]
-    oks = [_exact_range(s) for s in sums]
+        return [
+            _special(m, _from_root(m, jnp.zeros_like(m)))
+            for m in (_max_abs(*args) for args in zip(units, axes, accs, natives))
+        ]
+    sums = [_power_sum(x, p, a, nat) for x, a, nat in zip(units, axes, natives)]
+    oks = [_exact_range(s, acc) for s, acc in zip(sums, accs)]
     all_ok = jnp.all(jnp.stack([jnp.all(ok) for ok in oks]))
 
-    def fast() -> list[Array]:
-        return [root(s, p) for s in sums]
+    def fast() -> list[Norm]:
+        return [_from_root(root(s, p), jnp.zeros_like(s)) for s in sums]
 
-    def scaled() -> list[Array]:
+    def scaled() -> list[Norm]:
         out = []
-        # The rare path reduces natively: XLA:CPU's library kernels would materialise
-        # widened copies where two reductions read one low-precision leaf.
-        for x, a, acc, b, s, ok in zip(leaves, axes, accs, bucketed, sums, oks):
-            nat = _native(x, b, rare=True)
-            m = _max_abs(x, a, acc, nat)
-            x = lax.optimization_barrier((x, m))[0]  # a second, separately fused read
-            n = _unscale(m, _scaled_sum(x, _safe_divisor(m)[0], p, a, nat), p)
-            out.append(jnp.where(ok, root(s, p), n))
+        for x, a, b, s, ok in zip(units, axes, bucketed, sums, oks):
+            m, e, t = _scaled_parts(x, p, a, _native(x, b, rare=True))
+            n = _special(m, _from_root(root(t, p), jnp.where(jnp.isfinite(e), e, 0)))
+            f = _from_root(root(s, p), jnp.zeros_like(s))
+            out.append(Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp)))
         return out
 
     return lax.cond(all_ok, fast, scaled)
 
 
-def _max_abs(x: Array, axes: Optional[tuple[int, ...]], acc: np.dtype, native: bool) -> Array:
-    if x.size == 0:
-        shape = tuple(1 if (axes is None or i in axes) else d for i, d in enumerate(x.shape))
-        return jnp.zeros(shape, acc)
-    return _reduce(x, _abs(x, acc), axes, "max", native)
+_unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(1, 2, 3))
 
 
-def _scaled_sum(
-    x: Array, d: Array, p: float, axes: Optional[tuple[int, ...]], native: bool
-) -> Array:
-    """``sum (|x|/d)^p`` over ``axes`` (keepdims), in the leaf's accumulation dtype."""
-    acc = acc_dtype(x.dtype)
-    return _reduce(x, _power(_abs(x, acc) / d.astype(acc), p), axes, "sum", native)
-
-
-def _unscale(m: Array, t: Array, p: float) -> Array:
-    """The norm ``m * t^(1/p)`` from a max magnitude ``m`` and a power sum scaled by it."""
-    _, good = _safe_divisor(m)
-    # m == 0: the norm is 0; m inf or NaN: it is m (PyTorch's propagation).
-    return jnp.where(good, m * root(t, p), jnp.where(m == 0, 0, m))
+@_unit_norms.defjvp
+def _unit_norms_rule(p: float, axes: tuple, bucketed: tuple, primals: tuple, tangents: tuple):
+    (units,), (dunits,) = primals, tangents
+    norms = _unit_norms(units, p, axes, bucketed)
+    outs = [_dnorm(n, _tangent(x, dx, n, p, a)) for x, dx, n, a in zip(units, dunits, norms, axes)]
+    return norms, [Norm(*o) for o in outs]
 
 
 # ----------------------------------------------------------------------------------------
@@ -399,22 +544,13 @@ def _units(leaves: Sequence[Array], bucket: bool) -> tuple[list[Array], list[boo
     return units, [False] * (len(units) - len(buckets)) + [True] * len(buckets)
 
 
-def _global_max(
-    units: Sequence[Array], natives: Sequence[bool], acc: np.dtype, axis_name: AxisName
-) -> Array:
-    m = jnp.zeros((), acc)
-    for u, nat in zip(units, natives):
-        m = jnp.maximum(m, _max_abs(u, None, acc_dtype(u.dtype), nat).reshape(()).astype(acc))
-    return _pmax(m, axis_name)
-
-
-def global_norm(
+def global_norm_parts(
     leaves: Sequence[Array],
     p: float,
     *,
     axis_name: AxisName = None,
     bucket: bool = True,
-) -> Array:
+) -> Norm:
     """The p-norm of all ``leaves`` together, as if concatenated into one vector.
 
     Args:
@@ -425,52 +561,121 @@ def global_norm(
       bucket: concatenate small single-device leaves before reducing.
 
     Returns:
-      A scalar in the widest accumulation dtype of the leaves (float32 at least).
+      A scalar :class:`Norm` in the widest accumulation dtype of the leaves.
     """
     acc = result_dtype(leaves)
     units, bucketed = _units(_reduction_view(leaves), bucket)
+    if not units:
+        zero = jnp.zeros((), acc)
+        return Norm(zero, zero)
+    return _global_norm(tuple(units), p, tuple(bucketed), axis_name)
+
+
+def global_norm(
+    leaves: Sequence[Array], p: float, *, axis_name: AxisName = None, bucket: bool = True
+) -> Array:
+    """:func:`global_norm_parts` as a number (inf where it exceeds the dtype's range)."""
+    return global_norm_parts(leaves, p, axis_name=axis_name, bucket=bucket).value
+
+
+def _global_norm_impl(
+    units: tuple[Array, ...], p: float, bucketed: tuple[bool, ...], axis_name: AxisName
+) -> Norm:
+    acc = result_dtype(units)
     natives = [_native(u, b) for u, b in zip(units, bucketed)]
     if p == math.inf:
-        return _global_max(units, natives, acc, axis_name)
+        m = jnp.zeros((), acc)
+        for u, nat in zip(units, natives):
+            m = jnp.maximum(m, _max_abs(u, None, acc_dtype(u.dtype), nat).reshape(()).astype(acc))
+        m = _pmax(m, axis_name)
+        return _special(m, _from_root(m, jnp.zeros_like(m)))
     s = jnp.zeros((), acc)
     for u, nat in zip(units, natives):
-        s = s + _power_sum(u, p, None, acc_dtype(u.dtype), nat).reshape(()).astype(acc)
+        s = s + _power_sum(u, p, None, nat).reshape(()).astype(acc)
     s = _psum(s, axis_name)
+    # The narrowest accumulation dtype decides: its underflow is what may be lost.
+    narrow = min((acc_dtype(u.dtype) for u in units), key=lambda d: d.itemsize)
 
-    def scaled() -> Array:
-        # Native reductions on the rare path (see _unit_norms).
-        rare = [_native(u, b, rare=True) for u, b in zip(units, bucketed)]
-        m = _global_max(units, rare, acc, axis_name)
-        again = lax.optimization_barrier((units, m))[0]  # a second, separately fused read
-        d, _ = _safe_divisor(m)
-        t = jnp.zeros((), acc)
-        for u, nat in zip(again, rare):
-            t = t + _scaled_sum(u, d, p, None, nat).reshape(()).astype(acc)
-        return _unscale(m, _psum(t, axis_name), p)
+    def scaled() -> Norm:
+        parts = [
+            _scaled_parts(u, p, None, _native(u, b, rare=True)) for u, b in zip(units, bucketed)
+        ]
+        # Scalars combined one by one: a stack would be a concatenate in the HLO.
+        ms = [m.reshape(()).astype(acc) for m, _, _ in parts]
+        es = [e.reshape(()).astype(acc) for _, e, _ in parts]
+        m, e = ms[0], es[0]
+        for mi, ei in zip(ms[1:], es[1:]):
+            m, e = jnp.maximum(m, mi), jnp.maximum(e, ei)
+        m, e = _pmax(m, axis_name), _pmax(e, axis_name)
+        top = jnp.where(jnp.isfinite(e), e, 0)
+        total = jnp.zeros((), acc)
+        for (_, _, t), ei in zip(parts, es):
+            shift = jnp.where(jnp.isfinite(ei), ei - top, 0) * p
+            weight = _pow2(shift, acc) if p == int(p) else jnp.exp2(shift)
+            total = total + jnp.where(jnp.isfinite(ei), t.reshape(()).astype(acc) * weight, 0)
+        total = _psum(total, axis_name)
+        return _special(m, _from_root(root(total, p), top))
 
-    return lax.cond(_exact_range(s), lambda: root(s, p), scaled)
+    return lax.cond(
+        _exact_range(s, narrow), lambda: _from_root(root(s, p), jnp.zeros_like(s)), scaled
+    )
+
+
+_global_norm = jax.custom_jvp(_global_norm_impl, nondiff_argnums=(1, 2, 3))
+
+
+@_global_norm.defjvp
+def _global_norm_rule(p: float, bucketed: tuple, axis_name: AxisName, primals: tuple, tangents: tuple):
+    (units,), (dunits,) = primals, tangents
+    norm = _global_norm(units, p, bucketed, axis_name)
+    dn = jnp.zeros((), norm.frac.dtype)
+    for u, du in zip(units, dunits):
+        dn = dn + _tangent(u, du, Norm(norm.frac, norm.exp), p, None).reshape(()).astype(dn.dtype)
+    dn = _psum(dn, axis_name)
+    return norm, Norm(*_dnorm(norm, dn))
 
 
 # ----------------------------------------------------------------------------------------
 # Scaling and checks shared by every mode.
 
 
-def clip_scale(norm: Array, clip_norm: Any) -> Array:
-    """``1`` where ``norm <= clip_norm``, else ``clip_norm / norm`` (0 for inf, NaN for NaN).
+class Scale(NamedTuple):
+    """The clipping factor of a norm: ``x`` is kept as it is where ``keep``, else
+    multiplied by ``factor * 2**shift`` (``factor`` in (0.25, 1], or 0 or NaN)."""
 
-    The division is guarded so that its derivative is finite when no clipping happens.
+    keep: Array
+    factor: Array
+    shift: Array
+
+
+def clip_scale(norm: Union[Norm, Array], clip_norm: Any) -> Scale:
+    """Keep where ``norm <= clip_norm``, else the factor ``clip_norm / norm`` (0 for an
+    inf norm, NaN for NaN), exact at any magnitude.
+
+    A ``clip_norm`` at or below 0 (a traced schedule that decays to 0) means "updates
+    of norm 0": the factor is 0, never negative.
     """
-    c = jnp.asarray(clip_norm, norm.dtype)
-    keep = norm <= c
-    return jnp.where(keep, jnp.ones_like(norm), c / jnp.where(keep, 1, norm))
+    if not isinstance(norm, Norm):
+        norm = as_norm(jnp.asarray(norm))
+    acc = norm.frac.dtype
+    c = jnp.maximum(jnp.asarray(clip_norm, acc), 0)
+    keep = norm.value <= c
+    cf, ce = jnp.frexp(c)
+    factor = cf / jnp.where(keep, 1, norm.frac)
+    big = factor > 1
+    factor = jnp.where(big, factor / 2, factor)
+    shift = ce.astype(acc) - norm.exp + big.astype(acc)
+    return Scale(keep, factor, shift)
 
 
-def apply_scale(x: Array, scale: Array) -> Array:
-    """``x * scale`` with one rounding into ``x.dtype``; a scale of 1 is bit-exact."""
+def apply_scale(x: Array, scale: Scale) -> Array:
+    """``x`` where the scale keeps it (bit for bit, subnormals included), else
+    ``x * factor * 2**shift`` with one rounding into ``x.dtype``."""
     acc = acc_dtype(x.dtype)
-    if jnp.iscomplexobj(x):
-        return (x * scale.astype(acc)).astype(x.dtype)
-    return (x.astype(acc) * scale.astype(acc)).astype(x.dtype)
+    factor = scale.factor.astype(acc)
+    xs = x if jnp.iscomplexobj(x) else x.astype(acc)
+    scaled = ldexp(xs * factor, scale.shift.astype(acc)).astype(x.dtype)
+    return jnp.where(scale.keep, x, scaled)
 
 
 def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:

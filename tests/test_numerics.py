@@ -149,8 +149,10 @@ def test_no_upcast_copy_in_temporaries(mode, dtype):
     }[mode]
     temp = jax.jit(f).lower(g).compile().memory_analysis().temp_size_in_bytes
     nbytes = sum(x.nbytes for x in jax.tree.leaves(g))
-    # A widened copy of either leaf would be >= 33% of the gradient bytes.
-    assert temp <= 0.02 * nbytes, (temp, nbytes)
+    # A widened copy of either leaf would be >= 33% of the gradient bytes. Per-slice norms
+    # are O(slices): a few float32 vectors (norm, exponent, factor) per slice are allowed.
+    slices = 768 if mode == "norm_axes" else 0
+    assert temp <= 0.02 * nbytes + 32 * slices, (temp, nbytes)
 
 
 @pytest.mark.parametrize("p", [3.0, 4.0, 5.0])
