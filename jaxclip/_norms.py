@@ -49,6 +49,7 @@ from jax import lax
 Array = jax.Array
 AxisName = Union[None, str, tuple[str, ...]]
 Axes = Optional[tuple[int, ...]]
+Elem = Callable[[Array, Any], Array]
 
 #: Leaves at most this many bytes may be copied into a bucket before a global reduction.
 BUCKET_MAX_BYTES = 64 * 1024
@@ -188,14 +189,25 @@ class Norm(NamedTuple):
 
 def as_norm(value: Array) -> Norm:
     """A :class:`Norm` from a norm given as a number (``use_norm``)."""
-    frac, exp = jnp.frexp(value)
-    return Norm(frac, exp.astype(frac.dtype))
+    return Norm(*frexp(value))
 
 
-def _exponent(m: Array) -> Array:
-    """The exponent ``e`` with ``m = f * 2**e``, ``f`` in [0.5, 1), as a float; 0 where
-    ``m`` is zero or not finite."""
-    return jnp.frexp(m)[1].astype(m.dtype)
+def frexp(x: Array) -> tuple[Array, Array]:
+    """``(f, e)`` with ``x = f * 2**e``, ``f`` in [0.5, 1), ``e`` an integer held in
+    ``x``'s dtype, for ``x >= 0``; ``(x, 0)`` where ``x`` is 0, inf or NaN. A few bit
+    operations (``jnp.frexp`` traces ~3x more ops, which adds up over many leaves)."""
+    info = np.finfo(x.dtype)
+    itype = np.int32 if x.dtype.itemsize == 4 else np.int64
+    nm, bias = info.nmant, info.maxexp - 1
+    sub = x < info.tiny  # subnormal (or zero): normalise first
+    xs = jnp.where(sub, x * _pow2(jnp.asarray(nm + 1), x.dtype), x)
+    bits = lax.bitcast_convert_type(xs, itype)
+    e = (bits >> nm) - (bias - 1)
+    mant = (bits & ((1 << nm) - 1)) | ((bias - 1) << nm)
+    f = lax.bitcast_convert_type(mant.astype(itype), x.dtype)
+    e = e.astype(x.dtype) - jnp.where(sub, nm + 1, 0).astype(x.dtype)
+    special = (x == 0) | ~jnp.isfinite(x)
+    return jnp.where(special, x, f), jnp.where(special, 0, e).astype(x.dtype)
 
 
 def root(s: Array, p: float) -> Array:
@@ -243,20 +255,22 @@ def _reduction_view(arrays: Sequence[Array]) -> list[Array]:
 
 def _native(x: Array, bucketed: bool, rare: bool = False) -> bool:
     """Whether ``x`` is reduced by XLA's own fused reduce (see :func:`_reduce`): f16 and
-    8-bit leaves, 16-bit buckets, and 16-bit leaves on the rare path; never a sharded
-    leaf, whose variadic reduce XLA would partition with an all-gather."""
+    8-bit leaves, 16-bit buckets, and everything on the rare path (XLA:CPU's library
+    reduce would materialise the broadcast of the scale factors, or a widened copy where
+    two reductions read one low-precision leaf); never a sharded leaf, whose variadic
+    reduce XLA would partition with an all-gather."""
     small = x.dtype.itemsize < 4 and not jnp.iscomplexobj(x)
-    wanted = small and (x.dtype != jnp.bfloat16 or bucketed or rare)
+    wanted = rare or (small and (x.dtype != jnp.bfloat16 or bucketed))
     return wanted and _one_device(x)
 
 
-def _fused_reduce(x: Array, elem: Callable[[Array], Array], dims: tuple[int, ...], op: str) -> Array:
+def _fused_reduce(x: Array, elem: Elem, s: Any, dims: tuple[int, ...], op: str) -> Array:
     """``op`` of ``elem(x)`` over ``dims`` (dropped) as one variadic reduce XLA fuses itself.
 
     The reduce also takes ``min |x|``, tied into the result (``min >= 0`` unless NaN, when
     the result is NaN anyway), so that it is not simplified back into a library reduce.
     """
-    v = elem(x)
+    v = elem(x, s)
     zero = jnp.zeros((), v.dtype)
     combine = jnp.add if op == "sum" else jnp.maximum
     r, low = lax.reduce(
@@ -268,10 +282,13 @@ def _fused_reduce(x: Array, elem: Callable[[Array], Array], dims: tuple[int, ...
     return jnp.where(low >= 0, r, jnp.nan)
 
 
-def _reduce(x: Array, elem: Callable[[Array], Array], axes: Axes, op: str, native: bool) -> Array:
-    """Sum or max of ``elem(x)`` over ``axes`` (all when None), with keepdims.
+def _reduce(
+    x: Array, elem: Elem, axes: Axes, op: str, native: bool, s: Optional[tuple[Array, ...]] = None
+) -> Array:
+    """Sum or max of ``elem(x, s)`` over ``axes`` (all when None), with keepdims.
 
-    ``elem`` is elementwise, applied to ``x`` or to a reshaped part of it. With ``native``
+    ``elem`` is elementwise, applied to ``x`` or to a reshaped part of it; ``s`` (keepdims
+    shape, or None) are per-slice operands reshaped along with it. With ``native``
     the reduction is XLA's fused one: XLA:CPU's library kernels cannot fuse an f16 -> f32
     convert nor a concatenation and would materialise a widened copy. That reduce adds
     sequentially (up to ~n/2 ulps off on constant data), so when the reduced axes are the
@@ -282,18 +299,20 @@ def _reduce(x: Array, elem: Callable[[Array], Array], axes: Axes, op: str, nativ
     dims = tuple(range(x.ndim)) if axes is None else axes
     kept = tuple(1 if i in dims else d for i, d in enumerate(x.shape))
     if not native:
-        return (jnp.sum if op == "sum" else jnp.max)(elem(x), axis=dims, keepdims=True)
+        return (jnp.sum if op == "sum" else jnp.max)(elem(x, s), axis=dims, keepdims=True)
     lead = x.shape[: x.ndim - len(dims)]
     length = math.prod(x.shape[len(lead) :])
     if dims != tuple(range(len(lead), x.ndim)) or length <= BLOCK:
-        return _fused_reduce(x, elem, dims, op).reshape(kept)
+        return _fused_reduce(x, elem, s, dims, op).reshape(kept)
     flat = x.reshape(lead + (length,))
     chunks = length // BLOCK
     main = flat[..., : chunks * BLOCK].reshape(lead + (chunks, BLOCK))
-    parts = _fused_reduce(main, elem, (len(lead) + 1,), op)
+    s1 = None if s is None else tuple(f.reshape(lead + (1, 1)) for f in s)
+    parts = _fused_reduce(main, elem, s1, (len(lead) + 1,), op)
     r = (jnp.sum if op == "sum" else jnp.max)(parts, axis=-1)
     if chunks * BLOCK < length:
-        tail = _fused_reduce(flat[..., chunks * BLOCK :], elem, (len(lead),), op)
+        s2 = None if s is None else tuple(f.reshape(lead + (1,)) for f in s)
+        tail = _fused_reduce(flat[..., chunks * BLOCK :], elem, s2, (len(lead),), op)
         r = r + tail if op == "sum" else jnp.maximum(r, tail)
     return r.reshape(kept)
 
@@ -302,13 +321,13 @@ def _max_abs(x: Array, axes: Axes, acc: np.dtype, native: bool) -> Array:
     if x.size == 0:
         shape = tuple(1 if (axes is None or i in axes) else d for i, d in enumerate(x.shape))
         return jnp.zeros(shape, acc)
-    return _reduce(x, lambda v: _abs(v, acc), axes, "max", native)
+    return _reduce(x, lambda v, _: _abs(v, acc), axes, "max", native)
 
 
 def _power_sum(x: Array, p: float, axes: Axes, native: bool) -> Array:
     """``sum |x|^p`` over ``axes`` (keepdims), in ``x``'s accumulation dtype."""
     acc = acc_dtype(x.dtype)
-    return _reduce(x, lambda v: _power_abs(v, p, acc), axes, "sum", native)
+    return _reduce(x, lambda v, _: _power_abs(v, p, acc), axes, "sum", native)
 
 
 def _scaled_parts(x: Array, p: float, axes: Axes, native: bool) -> tuple[Array, Array, Array]:
@@ -317,22 +336,28 @@ def _scaled_parts(x: Array, p: float, axes: Axes, native: bool) -> tuple[Array, 
     term at most 1, so nothing overflows and only negligible terms underflow."""
     acc = acc_dtype(x.dtype)
     m = _max_abs(x, axes, acc, native)
-    x = lax.optimization_barrier((x, m))[0]  # a second, separately fused read
-    e = _exponent(m)
+    e = frexp(m)[1]
     good = (m > 0) & jnp.isfinite(m)
-    if axes is None or len(axes) == x.ndim:
-        e = e.reshape(())
     half = jnp.floor(-e / 2)
-    f1, f2 = _pow2(half, acc), _pow2(-e - half, acc)  # 2**-e as two normal factors
-    t = _reduce(x, lambda v: _power(_abs(v, acc) * f1 * f2, p), axes, "sum", native)
-    e = e.reshape(m.shape)
+    factors = (_pow2(half, acc), _pow2(-e - half, acc))  # 2**-e as two normal parts
+    x, factors = lax.optimization_barrier((x, factors))  # no materialised broadcast
+    t = _reduce(x, _scaled_elem(p, acc), axes, "sum", native, factors)
     return m, jnp.where(good, e, -jnp.inf), t
+
+
+def _scaled_elem(p: float, acc: np.dtype) -> Elem:
+    """``(|v| * f0 * f1)^p``: a term of a power sum scaled by two factors."""
+
+    def elem(v: Array, f: Any) -> Array:
+        return _power(_abs(v, acc) * f[0] * f[1], p)
+
+    return elem
 
 
 def _from_root(r: Array, e: Array) -> Norm:
     """The norm ``r * 2**e`` as a normalised :class:`Norm`."""
-    frac, k = jnp.frexp(r)
-    return Norm(frac, k.astype(frac.dtype) + e)
+    frac, k = frexp(r)
+    return Norm(frac, k + e)
 
 
 def _special(m: Array, norm: Norm) -> Norm:
@@ -598,24 +623,25 @@ def _global_norm_impl(
     narrow = min((acc_dtype(u.dtype) for u in units), key=lambda d: d.itemsize)
 
     def scaled() -> Norm:
-        parts = [
-            _scaled_parts(u, p, None, _native(u, b, rare=True)) for u, b in zip(units, bucketed)
-        ]
-        # Scalars combined one by one: a stack would be a concatenate in the HLO.
-        ms = [m.reshape(()).astype(acc) for m, _, _ in parts]
-        es = [e.reshape(()).astype(acc) for _, e, _ in parts]
-        m, e = ms[0], es[0]
-        for mi, ei in zip(ms[1:], es[1:]):
-            m, e = jnp.maximum(m, mi), jnp.maximum(e, ei)
-        m, e = _pmax(m, axis_name), _pmax(e, axis_name)
-        top = jnp.where(jnp.isfinite(e), e, 0)
-        total = jnp.zeros((), acc)
-        for (_, _, t), ei in zip(parts, es):
-            shift = jnp.where(jnp.isfinite(ei), ei - top, 0) * p
-            weight = _pow2(shift, acc) if p == int(p) else jnp.exp2(shift)
-            total = total + jnp.where(jnp.isfinite(ei), t.reshape(()).astype(acc) * weight, 0)
-        total = _psum(total, axis_name)
-        return _special(m, _from_root(root(total, p), top))
+        # Native reductions for 16-bit units (see _native); one scale 2**-e for all, from
+        # the largest magnitude m = f * 2**e, applied as two normal factors per dtype.
+        rare = [_native(u, b, rare=True) for u, b in zip(units, bucketed)]
+        m = jnp.zeros((), acc)
+        for u, nat in zip(units, rare):
+            m = jnp.maximum(m, _max_abs(u, None, acc_dtype(u.dtype), nat).reshape(()).astype(acc))
+        m = _pmax(m, axis_name)
+        e = frexp(m)[1]
+        half = jnp.floor(-e / 2)
+        # 2**-e per accumulation dtype (clamped: parts out of its range are negligible).
+        factors = {d: (_pow2(half, d), _pow2(-e - half, d)) for d in {acc_dtype(u.dtype) for u in units}}
+        # A second, separately fused read; the factors pass the barrier too, else XLA:CPU
+        # materialises their broadcast to the leaves' shape.
+        again, factors = lax.optimization_barrier((units, factors))
+        t = jnp.zeros((), acc)
+        for u, nat in zip(again, rare):
+            ua = acc_dtype(u.dtype)
+            t = t + _reduce(u, _scaled_elem(p, ua), None, "sum", nat, factors[ua]).reshape(()).astype(acc)
+        return _special(m, _from_root(root(_psum(t, axis_name), p), e))
 
     return lax.cond(
         _exact_range(s, narrow), lambda: _from_root(root(s, p), jnp.zeros_like(s)), scaled
@@ -661,11 +687,11 @@ def clip_scale(norm: Union[Norm, Array], clip_norm: Any) -> Scale:
     acc = norm.frac.dtype
     c = jnp.maximum(jnp.asarray(clip_norm, acc), 0)
     keep = norm.value <= c
-    cf, ce = jnp.frexp(c)
+    cf, ce = frexp(c)
     factor = cf / jnp.where(keep, 1, norm.frac)
     big = factor > 1
     factor = jnp.where(big, factor / 2, factor)
-    shift = ce.astype(acc) - norm.exp + big.astype(acc)
+    shift = ce - norm.exp + big.astype(acc)
     return Scale(keep, factor, shift)
 
 
