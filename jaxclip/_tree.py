@@ -8,7 +8,7 @@ Unselected leaves are handed back as the very same objects.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Sequence, TypeGuard, Union
 
 import jax
 import jax.numpy as jnp
@@ -101,9 +101,7 @@ def _mask_entries(
     mflat, _ = jtu.tree_flatten_with_path(mask)
     by_path: dict[tuple[Any, ...], Any] = {}
     for mpath, m in mflat:
-        if not isinstance(m, (bool, np.bool_)) and not (
-            isinstance(m, (np.ndarray, jax.Array)) and m.shape == () and m.dtype == bool
-        ):
+        if not _is_bool(m):
             raise TypeError(
                 f"jaxclip: need_clip at {shown(path_str(mpath))} is {m!r} of type "
                 f"{type(m).__name__}; a need_clip tree holds Python bools (one per leaf, or one "
@@ -138,6 +136,37 @@ def _mask_entries(
     return out
 
 
+#: What to do when init and update select different leaves (see :func:`check_same_selection`).
+SAME_SELECTION_HINT = (
+    "init and update must select the same leaves so that their states match. A callable "
+    "need_clip is called on the params in init and on the gradients in update: select by "
+    "path or shape, not by dtype or value (e.g. need_clip=lambda path, leaf: leaf.ndim > 1), "
+    "or pass init a tree like the gradients."
+)
+
+
+def check_same_selection(init_paths: Sequence[str], update_paths: Sequence[str], fn: str) -> None:
+    """A ValueError naming a leaf that ``init`` selected (on the params) and ``update`` did
+    not (on the gradients), or the reverse: their states would not match."""
+    if list(init_paths) == list(update_paths):
+        return
+    in_init, in_update = set(init_paths), set(update_paths)
+    only_update = [p for p in update_paths if p not in in_init]
+    only_init = [p for p in init_paths if p not in in_update]
+    if only_init:
+        raise ValueError(
+            f"jaxclip.{fn}: the state passed to update has an entry for the leaf at "
+            f"{shown(only_init[0])} (init selected it among the params), but update does not "
+            f"select it among the gradients. {SAME_SELECTION_HINT}"
+        )
+    if only_update:
+        raise ValueError(
+            f"jaxclip.{fn}: update selects the leaf at {shown(only_update[0])} among the "
+            "gradients, but the state passed to update has no entry for it (init did not "
+            f"select it among the params). {SAME_SELECTION_HINT}"
+        )
+
+
 def leaves_by_path(tree: PyTree) -> dict[str, Any]:
     """Every leaf of ``tree`` keyed by its ``/``-joined path, with no selection or checks."""
     flat, _ = jtu.tree_flatten_with_path(tree)
@@ -145,7 +174,30 @@ def leaves_by_path(tree: PyTree) -> dict[str, Any]:
 
 
 def _is_empty_node(x: Any) -> bool:
-    return x is None or (isinstance(x, tuple) and len(jtu.tree_leaves(x)) == 0)
+    """None, optax.MaskedNode, and any container without leaves (``{}``, ``[]``, ``[{}]``)."""
+    return x is None or len(jtu.tree_leaves(x)) == 0
+
+
+def _is_bool(m: Any) -> bool:
+    return isinstance(m, (bool, np.bool_)) or (
+        isinstance(m, (np.ndarray, jax.Array)) and m.shape == () and m.dtype == bool
+    )
+
+
+def is_selector_function(need_clip: Any) -> TypeGuard[Callable[[str, Any], bool]]:
+    """Whether ``need_clip`` is a function ``need_clip(path, leaf)`` rather than a mask tree.
+
+    A callable that is a pytree leaf (a function, a lambda, a bound method) is a function. A
+    callable pytree node is a mask when all its leaves are bools: an Equinox module built
+    with ``jax.tree.map(lambda _: True, model)`` is callable but is a mask. Other callable
+    nodes (``jax.tree_util.Partial``) are functions.
+    """
+    if not callable(need_clip):
+        return False
+    leaves = jtu.tree_leaves(need_clip)
+    if jtu.treedef_is_leaf(jtu.tree_structure(need_clip)) or not leaves:
+        return True
+    return not all(_is_bool(m) for m in leaves)
 
 
 def select(
@@ -160,7 +212,9 @@ def select(
     Args:
       tree: the gradients (or params, in ``init``).
       need_clip: None (every floating-point leaf), a bool pytree that is a prefix of
-        ``tree``, or a callable ``need_clip(path, leaf) -> bool``.
+        ``tree`` (also a callable one, such as an Equinox module of bools), or a function
+        ``need_clip(path, leaf) -> bool`` (see :func:`is_selector_function`). A bool may
+        stand over a None, ``optax.MaskedNode`` or empty (``{}``) subtree of ``tree``.
       allow_complex: whether complex leaves may be selected (not for value clipping).
       what: the operation, for error messages.
 
@@ -179,7 +233,7 @@ def select(
 
     if need_clip is None:
         wanted = [jnp.issubdtype(d, jnp.inexact) for d in dtypes]
-    elif callable(need_clip):
+    elif is_selector_function(need_clip):
         wanted = []
         for x, p in zip(leaves, paths):
             w = need_clip(p, x)

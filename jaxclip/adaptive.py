@@ -6,15 +6,15 @@ its statistics in a ``NamedTuple`` state whose fields ``optax.tree.get`` finds.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _norms, _tree
-from jaxclip.clipping import Axes, _check_axes, _check_clip_norm, _concrete, _leaf_axes, _rescaled
+from jaxclip import _checks, _norms, _tree
+from jaxclip._checks import Axes
+from jaxclip.clipping import _rescaled
 
 Array = jax.Array
 PyTree = Any
@@ -28,20 +28,6 @@ __all__ = [
     "skip_large_updates",
     "zclip",
 ]
-
-
-def _static_int(value: Any, name: str, fn: str) -> int:
-    """A buffer size: a Python int >= 1 (not traced; it fixes the state's shape)."""
-    try:
-        n = operator.index(value)
-    except Exception:  # floats, traced arrays
-        n = None
-    if n is None or n < 1:
-        raise ValueError(
-            f"jaxclip: {fn} {name}={value!r} must be a Python int >= 1 (it sizes the state); "
-            f"with optax.inject_hyperparams pass static_args=({name!r},)."
-        )
-    return n
 
 
 def _unit_axes(ndim: int) -> Optional[tuple[int, ...]]:
@@ -63,13 +49,15 @@ def adaptive_clip(
 
     Args:
       clipping: the largest allowed ratio of gradient norm to parameter norm, > 0.
-      eps: the smallest parameter norm used, so zero-initialised units still move.
+      eps: the smallest parameter norm used, so zero-initialised units still move;
+        finite and > 0.
       axes: the axes a unit's norm is taken over, for every leaf; None for the defaults.
       need_clip: which leaves are clipped (see :func:`jaxclip.clip_by_value`).
 
     Returns:
       An ``optax.GradientTransformation`` (``optax.EmptyState``) whose ``update`` needs
-      ``params``.
+      ``params``, of the updates' structure and shapes (a ValueError names a parameter
+      whose shape differs from its gradient's).
 
     Example:
       >>> import jax.numpy as jnp, jaxclip
@@ -84,9 +72,9 @@ def adaptive_clip(
       Brock et al., `High-Performance Large-Scale Image Recognition Without
       Normalization <https://arxiv.org/abs/2102.06171>`_, 2021
     """
-    _check_clip_norm(clipping, "clipping")
-    _check_clip_norm(eps, "eps")
-    axes_t = _check_axes(axes)
+    _checks.check_clipping(clipping, "adaptive_clip")
+    _checks.check_eps(eps, "adaptive_clip")
+    axes_t = _checks.check_axes(axes, "adaptive_clip")
 
     def update_fn(updates: PyTree, state: optax.EmptyState, params: Optional[PyTree] = None):
         if params is None:
@@ -103,15 +91,22 @@ def adaptive_clip(
                 "params must have the structure of the updates."
             )
         ps = [jnp.asarray(pleaves[p]) for p in sel.chosen_paths]
+        for g, p, path in zip(gs, ps, sel.chosen_paths):
+            if p.shape != g.shape:
+                raise ValueError(
+                    f"jaxclip.adaptive_clip: the parameter at {_tree.shown(path)} has shape "
+                    f"{p.shape} but its gradient has shape {g.shape}; pass update the params "
+                    "the gradients were taken of (the same structure and shapes)."
+                )
         leaf_axes = [
-            _leaf_axes(axes_t, g, path) if axes_t is not None else _unit_axes(g.ndim)
+            _checks.leaf_axes(axes_t, g, path) if axes_t is not None else _unit_axes(g.ndim)
             for g, path in zip(gs, sel.chosen_paths)
         ]
         g_norms = _norms.slice_norms(gs, 2.0, leaf_axes)
         p_norms = _norms.slice_norms(ps, 2.0, leaf_axes)
         clipped = []
         for g, gn, pn in zip(gs, g_norms, p_norms):
-            limit = clipping * jnp.maximum(pn.astype(gn.dtype), eps)
+            limit = clipping * jnp.maximum(pn.value.astype(gn.frac.dtype), eps)
             clipped.append(_norms.apply_scale(g, _norms.clip_scale(gn, limit)))
         return sel.rebuild(clipped), state
 
@@ -147,7 +142,8 @@ def auto_clip(
     paper keeps the whole history; here it is a ring buffer of the last ``window``
     norms, so the state has a fixed size and the cost per step is ``O(window)``.
     Non-finite norms are not recorded (they propagate as in
-    :func:`jaxclip.clip_by_global_norm`).
+    :func:`jaxclip.clip_by_global_norm`: an inf norm scales the step by 0, a NaN one
+    makes it NaN); before any finite norm has been recorded the threshold is 0.
 
     Args:
       percentile: in ``(0, 100]``; 10 is the paper's default.
@@ -170,10 +166,8 @@ def auto_clip(
       Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source Separation
       Networks <https://arxiv.org/abs/2007.14469>`_, 2020
     """
-    pct = _concrete(percentile)
-    if pct is not None and not 0 < pct <= 100:
-        raise ValueError(f"jaxclip: auto_clip percentile={percentile!r} must be in (0, 100].")
-    window = _static_int(window, "window", "auto_clip")
+    _checks.check_percentile(percentile, "auto_clip")
+    window = _checks.static_int(window, "window", "auto_clip")
 
     def init_fn(params: PyTree) -> AutoClipState:
         del params
@@ -186,7 +180,9 @@ def auto_clip(
         finite = jnp.isfinite(norm)
         history = jnp.where(finite, state.history.at[state.count % window].set(norm), state.history)
         count = state.count + finite.astype(jnp.int32)
-        threshold = jnp.nanpercentile(history, percentile)
+        # With no finite norm recorded yet (a non-finite first step) the threshold is 0, so
+        # an inf norm scales by 0 and a NaN norm gives NaN, as in clip_by_global_norm.
+        threshold = jnp.where(count > 0, jnp.nanpercentile(history, percentile), 0.0)
         return _rescaled(sel, xs, norm, threshold), AutoClipState(history, count, threshold, norm)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -247,7 +243,7 @@ def zclip(
       z_thresh: the z-score above which a norm is a spike, > 0.
       warmup_steps: finite norms gathered before clipping starts, >= 1.
       max_norm: an optional fixed cap on the global norm.
-      eps: added to ``std`` in the z-score.
+      eps: added to ``std`` in the z-score; finite and >= 0.
       need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
 
     Returns:
@@ -266,20 +262,23 @@ def zclip(
       Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
       <https://arxiv.org/abs/2504.02507>`_, 2025
     """
-    a = _concrete(alpha)
-    if a is not None and not 0 <= a < 1:
-        raise ValueError(f"jaxclip: zclip alpha={alpha!r} must be in [0, 1).")
-    _check_clip_norm(z_thresh, "z_thresh")
-    warmup_steps = _static_int(warmup_steps, "warmup_steps", "zclip")
+    _checks.check_alpha(alpha, "zclip")
+    _checks.check_z_thresh(z_thresh, "zclip")
+    _checks.check_zclip_eps(eps, "zclip")
+    warmup_steps = _checks.static_int(warmup_steps, "warmup_steps", "zclip")
     if max_norm is not None:
-        _check_clip_norm(max_norm, "max_norm")
+        _checks.check_max_norm(max_norm, "zclip")
     cap = jnp.inf if max_norm is None else max_norm
 
     def init_fn(params: PyTree) -> ZClipState:
         del params
-        zero = jnp.zeros((), jnp.float32)
+        # A new buffer per field (never one array in two fields), so that the state can be
+        # donated: jax.jit(tx.update, donate_argnums=(1,)).
+        def zero() -> Array:
+            return jnp.zeros((), jnp.float32)
+
         nan = jnp.full((warmup_steps,), jnp.nan, jnp.float32)
-        return ZClipState(zero, zero, nan, jnp.zeros((), jnp.int32), zero, zero)
+        return ZClipState(zero(), zero(), nan, jnp.zeros((), jnp.int32), zero(), zero())
 
     def update_fn(updates: PyTree, state: ZClipState, params: Any = None):
         del params
@@ -334,13 +333,15 @@ def skip_large_updates(
 ) -> optax.GradientTransformation:
     """Skips steps whose incoming global norm is above ``threshold`` or non-finite.
 
-    On a skipped step the updates are zeros and ``inner``'s state is left as it was, so
+    A step whose norm is inf or NaN is always skipped, also with ``threshold=inf``
+    (which then skips only those). On a skipped step the updates are zeros and ``inner``'s state is left as it was, so
     (unlike zeroing the gradients) Adam's moments do not decay and its step count does
     not advance. Compare ``optax.apply_if_finite``, which skips non-finite steps only.
 
     Args:
       inner: the transformation to wrap (e.g. ``optax.adamw(1e-3)``).
-      threshold: the largest global norm of a step that is applied, > 0.
+      threshold: the largest global norm of a step that is applied, > 0 (``inf`` to
+        skip only non-finite steps).
       norm_type: ``p > 0`` or ``float('inf')``.
       need_clip: which leaves count towards the norm (see :func:`jaxclip.clip_by_value`).
 
@@ -355,16 +356,18 @@ def skip_large_updates(
       >>> out, int(state.skipped)
       (Array([0., 0.], dtype=float32), 1)
     """
-    _check_clip_norm(threshold, "threshold")
-    p = _norms.check_norm_type(norm_type)
+    _checks.check_threshold(threshold, "skip_large_updates")
+    p = _checks.check_norm_type(norm_type)
 
     def init_fn(params: PyTree) -> SkipLargeUpdatesState:
-        zero = jnp.zeros((), jnp.int32)
-        return SkipLargeUpdatesState(inner.init(params), zero, zero, jnp.zeros((), jnp.float32))
+        # A new buffer per field, so that the state can be donated.
+        return SkipLargeUpdatesState(
+            inner.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+        )
 
     def update_fn(updates: PyTree, state: SkipLargeUpdatesState, params: Any = None, **extra: Any):
         norm = _selected(updates, need_clip, p)[2]
-        skip = ~(norm <= threshold)  # NaN counts as too large
+        skip = ~(jnp.isfinite(norm) & (norm <= threshold))  # also with threshold=inf
         new_updates, new_inner = optax.with_extra_args_support(inner).update(
             updates, state.inner_state, params, **extra
         )

@@ -12,10 +12,9 @@ from typing import Any, Callable, Hashable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from jaxclip import _norms, _tree
+from jaxclip import _checks, _norms, _tree
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -58,76 +57,6 @@ class ClipByNormState(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------------
-# Hyperparameter checks (concrete values only: traced ones are the caller's business).
-
-
-def _concrete(value: Any) -> Optional[np.ndarray]:
-    if isinstance(value, jax.core.Tracer):
-        return None
-    return np.asarray(value)
-
-
-def _check_clip_norm(clip_norm: Any, name: str = "clip_norm") -> None:
-    v = _concrete(clip_norm)
-    if v is None:
-        return
-    if v.shape != ():
-        raise ValueError(f"jaxclip: {name} must be a scalar; got shape {v.shape}.")
-    if not v > 0:  # also catches NaN
-        raise ValueError(
-            f"jaxclip: {name}={clip_norm!r} must be > 0 (the largest norm the updates may "
-            "have after clipping); to turn clipping off, use float('inf')."
-        )
-
-
-def _value_bounds(max_value: Any, min_value: Any) -> tuple[Any, Any]:
-    if min_value is None:
-        vmax = _concrete(max_value)
-        if vmax is not None and not vmax > 0:
-            raise ValueError(
-                f"jaxclip: clip_by_value(max={max_value!r}) with min=None clips into "
-                "[-max, max], so max must be > 0; pass min explicitly for another range."
-            )
-        return -max_value, max_value
-    vmax, vmin = _concrete(max_value), _concrete(min_value)
-    if vmax is not None and vmin is not None and not vmin <= vmax:
-        raise ValueError(
-            f"jaxclip: clip_by_value got min={min_value!r} > max={max_value!r}; "
-            "min must be <= max (did you swap them?)."
-        )
-    return min_value, max_value
-
-
-def _check_axes(axes: Axes) -> Optional[tuple[int, ...]]:
-    if axes is None:
-        return None
-    seq = (axes,) if isinstance(axes, (int, np.integer)) else tuple(axes)
-    if not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in seq):
-        raise ValueError(f"jaxclip: axes={axes!r} must be an int or a sequence of ints.")
-    if len(set(seq)) != len(seq):
-        raise ValueError(f"jaxclip: axes={axes!r} names an axis twice.")
-    return tuple(int(a) for a in seq)
-
-
-def _leaf_axes(axes: Optional[tuple[int, ...]], leaf: Array, path: str) -> Optional[tuple]:
-    if axes is None:
-        return None
-    nd = leaf.ndim
-    if any(not -nd <= a < nd for a in axes):
-        raise ValueError(
-            f"jaxclip: axes={axes} is out of range for the leaf at {_tree.shown(path)}, "
-            f"which has shape {leaf.shape} ({nd} axes). Use axes valid for every selected "
-            "leaf, or exclude this one with need_clip."
-        )
-    normalized = tuple(sorted(a % nd for a in axes))
-    if len(set(normalized)) != len(normalized):
-        raise ValueError(
-            f"jaxclip: axes={axes} names one axis twice for the leaf at {_tree.shown(path)}."
-        )
-    return normalized
-
-
-# ----------------------------------------------------------------------------------------
 # The functions.
 
 
@@ -160,7 +89,7 @@ def global_norm(
       >>> jaxclip.global_norm([jnp.array([1e20, 1e20, 1e20, 1e20])])
       Array(2.e+20, dtype=float32)
     """
-    p = _norms.check_norm_type(norm_type)
+    p = _checks.check_norm_type(norm_type)
     sel = _tree.select(tree, need_clip, what="a global norm")
     return _norms.global_norm([jnp.asarray(x) for x in sel.chosen], p, axis_name=axis_name)
 
@@ -172,8 +101,9 @@ def clip_tree_by_value(
 
     Args:
       tree: a pytree of real floating-point arrays.
-      max: the upper bound.
-      min: the lower bound; None means ``-max`` (then ``max`` must be > 0).
+      max: the upper bound: a number, or an array that broadcasts to every clipped leaf
+        (see :func:`clip_by_value`).
+      min: the lower bound, likewise; None means ``-max`` (then ``max`` must be > 0).
       need_clip: which leaves are clipped (see :func:`clip_by_value`).
 
     Returns:
@@ -183,9 +113,14 @@ def clip_tree_by_value(
       >>> import jax.numpy as jnp, jaxclip
       >>> jaxclip.clip_tree_by_value({"w": jnp.array([-3.0, 0.5, 2.0])}, 1.0)
       {'w': Array([-1. ,  0.5,  1. ], dtype=float32)}
+      >>> jaxclip.clip_tree_by_value(jnp.array([-3.0, 0.5, 2.0]), jnp.array([1.0, 0.2, 3.0]))
+      Array([-1. ,  0.2,  2. ], dtype=float32)
     """
-    lo, hi = _value_bounds(max, min)
+    lo, hi = _checks.value_bounds(max, min, "clip_tree_by_value")
     sel = _tree.select(tree, need_clip, allow_complex=False, what="value clipping")
+    for x, path in zip(sel.chosen, sel.chosen_paths):
+        for name, bound in (("max", hi), ("min", lo)):
+            _checks.check_bound_shape(bound, name, x, path, "clip_tree_by_value")
 
     def clip(x: Array) -> Array:
         x = jnp.asarray(x)
@@ -229,18 +164,19 @@ def clip_tree_by_norm(
       >>> norms
       Array([5. , 0.5], dtype=float32)
     """
-    _check_clip_norm(clip_norm)
-    p = _norms.check_norm_type(norm_type)
-    axes_t = _check_axes(axes)
+    _checks.check_clip_norm(clip_norm, "clip_tree_by_norm")
+    p = _checks.check_norm_type(norm_type)
+    axes_t = _checks.check_axes(axes, "clip_tree_by_norm")
     sel = _tree.select(tree, need_clip, what="norm clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
-    leaf_axes = [_leaf_axes(axes_t, x, path) for x, path in zip(xs, sel.chosen_paths)]
-    norms = _norms.slice_norms(xs, p, leaf_axes)
+    leaf_axes = [_checks.leaf_axes(axes_t, x, path) for x, path in zip(xs, sel.chosen_paths)]
+    parts = _norms.slice_norms(xs, p, leaf_axes)
+    norms = [n.value for n in parts]
     if error_if_nonfinite:
         _norms.raise_if_nonfinite(
             norms, [f"norm of the leaf at {_tree.shown(path)}" for path in sel.chosen_paths]
         )
-    clipped = [_norms.apply_scale(x, _norms.clip_scale(n, clip_norm)) for x, n in zip(xs, norms)]
+    clipped = [_norms.apply_scale(x, _norms.clip_scale(n, clip_norm)) for x, n in zip(xs, parts)]
     squeezed = [
         jnp.squeeze(n, axis=a) if a is not None else n.reshape(()) for n, a in zip(norms, leaf_axes)
     ]
@@ -288,8 +224,9 @@ def clip_tree_by_global_norm(
       >>> clipped
       [Array([0.6, 0. ], dtype=float32), Array([0. , 0.8], dtype=float32)]
     """
-    _check_clip_norm(clip_norm)
-    p = _norms.check_norm_type(norm_type)
+    _checks.check_clip_norm(clip_norm, "clip_tree_by_global_norm")
+    p = _checks.check_norm_type(norm_type)
+    _checks.check_callable(group, "group", "clip_tree_by_global_norm", "group(path, leaf) -> label")
     sel = _tree.select(tree, need_clip, what="global-norm clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
     if group is not None:
@@ -299,23 +236,26 @@ def clip_tree_by_global_norm(
         norms, clipped = {}, list(xs)
         for label in labels:
             members = [i for i, lab in enumerate(per_leaf) if lab == label]
-            n = _norms.global_norm([xs[i] for i in members], p, axis_name=axis_name)
+            n = _norms.global_norm_parts([xs[i] for i in members], p, axis_name=axis_name)
             if error_if_nonfinite:
-                _norms.raise_if_nonfinite([n], [f"global norm of group {label!r}"])
+                _norms.raise_if_nonfinite([n.value], [f"global norm of group {label!r}"])
+            scale = _norms.clip_scale(n, clip_norm)
             for i in members:
-                clipped[i] = _norms.apply_scale(xs[i], _norms.clip_scale(n, clip_norm))
-            norms[label] = n
+                clipped[i] = _norms.apply_scale(xs[i], scale)
+            norms[label] = n.value
         return sel.rebuild(clipped), norms
     if use_norm is None:
-        norm = _norms.global_norm(xs, p, axis_name=axis_name)
+        parts = _norms.global_norm_parts(xs, p, axis_name=axis_name)
     else:
-        norm = jnp.asarray(use_norm, _norms.result_dtype(xs))
+        parts = _norms.as_norm(jnp.asarray(use_norm, _norms.result_dtype(xs)))
     if error_if_nonfinite:
-        _norms.raise_if_nonfinite([norm], ["global norm"])
-    return _rescaled(sel, xs, norm, clip_norm), norm
+        _norms.raise_if_nonfinite([parts.value], ["global norm"])
+    return _rescaled(sel, xs, parts, clip_norm), parts.value
 
 
-def _rescaled(sel: _tree.Selection, xs: Sequence[Array], norm: Array, clip_norm: Any) -> PyTree:
+def _rescaled(
+    sel: _tree.Selection, xs: Sequence[Array], norm: Union[Array, _norms.Norm], clip_norm: Any
+) -> PyTree:
     """The tree with the selected leaves ``xs``, of joint norm ``norm``, scaled to at most
     ``clip_norm`` (unchecked, so adaptive thresholds may be traced, NaN or inf)."""
     scale = _norms.clip_scale(norm, clip_norm)
@@ -336,6 +276,35 @@ def _group_labels(
     return list(dict.fromkeys(per_leaf)), per_leaf
 
 
+def _check_same_groups(init_norms: Any, norms: dict, updates: PyTree, group: Callable) -> None:
+    """A ValueError naming a group (and a leaf of it) when ``update``'s groups differ from
+    the ones in the state ``init`` built, so that the states would not match."""
+    if not isinstance(init_norms, dict) or set(init_norms) == set(norms):
+        return
+    missing = [label for label in init_norms if label not in norms]
+    if not missing:
+        new = [label for label in norms if label not in init_norms]
+        raise ValueError(
+            f"jaxclip.clip_by_global_norm: update finds group {new[0]!r} among the selected "
+            "gradients, but the state passed to update has no norm for it (init did not "
+            f"find it among the params). {_tree.SAME_SELECTION_HINT}"
+        )
+    label, example = missing[0], ""
+    for path, leaf in _tree.leaves_by_path(updates).items():
+        try:
+            if group(path, leaf) == label:
+                example = f" (e.g. the leaf at {_tree.shown(path)})"
+                break
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError):
+            # a group callable that only handles the leaves it is meant for
+            continue
+    raise ValueError(
+        f"jaxclip.clip_by_global_norm: the state passed to update has a norm for group "
+        f"{label!r} (init selected leaves of it among the params), but update selects no "
+        f"gradient leaf of that group{example}. {_tree.SAME_SELECTION_HINT}"
+    )
+
+
 # ----------------------------------------------------------------------------------------
 # The transformations.
 
@@ -348,13 +317,27 @@ def clip_by_value(
     The counterpart of Paddle's ``ClipGradByValue(max, min, need_clip)``, PyTorch's
     ``clip_grad_value_`` (``min=None``), ``tf.clip_by_value`` and ``optax.clip``.
 
+    Bounds may be arrays, as in ``tf.clip_by_value``: each must broadcast to every
+    clipped leaf without enlarging it (a per-column ``max`` of shape ``(n,)`` for
+    ``(m, n)`` leaves), else a ValueError names the leaf. Concrete bounds are checked
+    elementwise (``min <= max``; ``max > 0`` when ``min`` is None); traced ones, e.g.
+    from ``optax.inject_hyperparams``, are not.
+
     Args:
-      max: the upper bound.
-      min: the lower bound; None means ``-max``, and then ``max`` must be > 0.
+      max: the upper bound: a real number, or an array (NumPy, JAX or nested lists).
+      min: the lower bound, likewise; None means ``-max``, and then ``max`` must be > 0.
       need_clip: which leaves are clipped: None (every floating-point leaf), a pytree
         of bools with the updates' structure or a prefix of it (Paddle's
-        ``ParamAttr(need_clip=...)``), or a callable ``need_clip(path, leaf) -> bool``
-        where ``path`` is ``"/"``-joined, e.g. ``"linear/bias"``.
+        ``ParamAttr(need_clip=...)``; a bool may also stand over an empty ``{}``,
+        ``None`` or ``optax.MaskedNode`` subtree), or a function
+        ``need_clip(path, leaf) -> bool`` where ``path`` is ``"/"``-joined, e.g.
+        ``"linear/bias"``. A callable pytree whose leaves are all bools, such as an
+        Equinox module built with ``jax.tree.map(lambda _: True, model)``, is a mask,
+        not a function. A function is called on the params in ``init`` and on the
+        updates in ``update``: select by path or shape, not by dtype or value, so that
+        both select the same leaves (where the states would then differ,
+        :func:`clip_by_norm` and grouped :func:`clip_by_global_norm` raise a ValueError
+        naming the leaf).
 
     Returns:
       An ``optax.GradientTransformation`` with ``optax.EmptyState``.
@@ -367,7 +350,7 @@ def clip_by_value(
       >>> updates
       {'w': Array([-0.1 ,  0.05], dtype=float32)}
     """
-    _value_bounds(max, min)
+    _checks.value_bounds(max, min, "clip_by_value")
 
     def update_fn(updates: PyTree, state: optax.EmptyState, params: Any = None):
         del params
@@ -395,7 +378,10 @@ def clip_by_norm(
       axes: the axes a norm is taken over; None (default) for the whole leaf,
         ``axes=1`` for per-row norms of a matrix, as ``tf.clip_by_norm``.
       norm_type: ``p > 0`` or ``float('inf')``.
-      need_clip: which leaves are clipped (see :func:`clip_by_value`).
+      need_clip: which leaves are clipped (see :func:`clip_by_value`). The state has an
+        entry per selected leaf, so ``init`` (on the params) and ``update`` (on the
+        updates) must select the same leaves; ``update`` raises a ValueError naming the
+        first leaf where the state it is given says otherwise.
       error_if_nonfinite: raise, also under ``jit``, when a norm is inf or NaN; costs a
         device-to-host transfer and a sync per step.
 
@@ -416,16 +402,16 @@ def clip_by_norm(
       Pascanu et al., `On the difficulty of training Recurrent Neural Networks
       <https://arxiv.org/abs/1211.5063>`_, 2013
     """
-    _check_clip_norm(clip_norm)
-    _norms.check_norm_type(norm_type)
-    _check_axes(axes)
+    _checks.check_clip_norm(clip_norm, "clip_by_norm")
+    _checks.check_norm_type(norm_type)
+    _checks.check_axes(axes, "clip_by_norm")
 
     def init_fn(params: PyTree) -> ClipByNormState:
         sel = _tree.select(params, need_clip, what="norm clipping")
         return ClipByNormState(sel.per_leaf([jnp.zeros((), jnp.float32) for _ in sel.indices]))
 
     def update_fn(updates: PyTree, state: ClipByNormState, params: Any = None):
-        del params, state
+        del params
         clipped, norms = clip_tree_by_norm(
             updates,
             clip_norm,
@@ -435,6 +421,12 @@ def clip_by_norm(
             error_if_nonfinite=error_if_nonfinite,
         )
         largest = jax.tree.map(lambda n: jnp.max(n, initial=0).astype(jnp.float32), norms)
+        if isinstance(state, ClipByNormState):
+            _tree.check_same_selection(
+                list(_tree.leaves_by_path(state.norms)),
+                list(_tree.leaves_by_path(largest)),
+                "clip_by_norm",
+            )
         return clipped, ClipByNormState(largest)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -472,7 +464,9 @@ def clip_by_global_norm(
         costs a device-to-host transfer and a sync per step.
       group: a callable ``group(path, leaf) -> label`` (Paddle's ``group_name``): each
         label's leaves are clipped by their own global norm, and the state holds a dict
-        label -> norm.
+        label -> norm. ``init`` (on the params) and ``update`` (on the updates) must find
+        the same labels among the selected leaves; ``update`` raises a ValueError naming
+        the group where the state it is given has other labels.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`ClipByGlobalNormState`.
@@ -493,8 +487,9 @@ def clip_by_global_norm(
       Pascanu et al., `On the difficulty of training Recurrent Neural Networks
       <https://arxiv.org/abs/1211.5063>`_, 2013
     """
-    _check_clip_norm(clip_norm)
-    _norms.check_norm_type(norm_type)
+    _checks.check_clip_norm(clip_norm, "clip_by_global_norm")
+    _checks.check_norm_type(norm_type)
+    _checks.check_callable(group, "group", "clip_by_global_norm", "group(path, leaf) -> label")
 
     def init_fn(params: PyTree) -> ClipByGlobalNormState:
         if group is None:
@@ -503,7 +498,7 @@ def clip_by_global_norm(
         return ClipByGlobalNormState({label: jnp.zeros((), jnp.float32) for label in labels})
 
     def update_fn(updates: PyTree, state: ClipByGlobalNormState, params: Any = None):
-        del params, state
+        del params
         clipped, norm = clip_tree_by_global_norm(
             updates,
             clip_norm,
@@ -513,6 +508,8 @@ def clip_by_global_norm(
             error_if_nonfinite=error_if_nonfinite,
             group=group,
         )
+        if group is not None and isinstance(state, ClipByGlobalNormState):
+            _check_same_groups(state.global_norm, norm, updates, group)
         return clipped, ClipByGlobalNormState(jax.tree.map(lambda n: n.astype(jnp.float32), norm))
 
     return optax.GradientTransformation(init_fn, update_fn)

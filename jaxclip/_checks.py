@@ -1,0 +1,380 @@
+"""Hyperparameter checks: every transformation validates its arguments here.
+
+Each check takes the value as the user passed it (a Python number, a NumPy or JAX array,
+or a traced array under ``jit``/``optax.inject_hyperparams``) and raises an error that
+names the function, the parameter, why the value is wrong and what to pass instead.
+
+- The *type* (a real number, not a string, ``None``, bool or complex) and the *shape* are
+  static, so they are checked for traced values too. A wrong type is a
+  :class:`HyperparameterTypeError`, which is both a ``TypeError`` and a ``ValueError``
+  (as NumPy's ``AxisError`` is both an ``IndexError`` and a ``ValueError``).
+- The *value* (``> 0``, in a range) is checked only where it is concrete; traced
+  values are the caller's business (see each mode's docstring for what it does with them).
+
+The names are package-internal: public within jaxclip, not part of its API.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxclip import _tree
+from jaxclip._norms import L2, StaticDefault, check_norm_type
+
+Array = jax.Array
+Axes = Union[None, int, Sequence[int]]
+
+__all__ = [
+    "L2",
+    "Axes",
+    "HyperparameterTypeError",
+    "StaticDefault",
+    "check_alpha",
+    "check_axes",
+    "check_bound_shape",
+    "check_callable",
+    "check_clip_norm",
+    "check_clipping",
+    "check_eps",
+    "check_max_norm",
+    "check_norm_type",
+    "check_percentile",
+    "check_threshold",
+    "check_z_thresh",
+    "check_zclip_eps",
+    "concrete",
+    "leaf_axes",
+    "static_int",
+    "value_bounds",
+]
+
+
+class HyperparameterTypeError(TypeError, ValueError):
+    """A hyperparameter of the wrong type (a string, None, a bool, a complex number...).
+
+    Both a ``TypeError`` and a ``ValueError``, so that code catching either for bad
+    hyperparameters catches it.
+    """
+
+
+_TRACED = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
+
+
+def concrete(value: Any) -> Optional[np.ndarray]:
+    """``value`` as a NumPy array, or None when it is traced (its value is not known yet).
+
+    Uses JAX's public errors for traced values rather than a check on the tracer type.
+    """
+    try:
+        return np.asarray(value)
+    except _TRACED:
+        return None
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: its repr, or its shape and dtype for a large array."""
+    size = np.size(value) if not isinstance(value, (str, bytes)) else 1
+    if size <= 8:
+        return repr(value)
+    return f"<an array of shape {np.shape(value)}>"
+
+
+def _real(value: Any, name: str, fn: str, what: str, *, scalar: bool = True) -> Optional[np.ndarray]:
+    """Checks that ``value`` is a real number (or, with ``scalar=False``, a real array);
+    returns its concrete value, or None when traced. ``what`` says what to pass."""
+    hint = f"pass {what}"
+    if value is None or isinstance(value, (str, bytes, bool, np.bool_)):
+        raise HyperparameterTypeError(
+            f"jaxclip.{fn}: {name}={_show(value)} is a {type(value).__name__}, not a number; {hint}."
+        )
+    v = concrete(value)
+    if v is None:  # traced: its dtype and shape are still known
+        try:
+            aval = jnp.asarray(value)
+        except TypeError as e:
+            raise HyperparameterTypeError(f"jaxclip.{fn}: {name} is not a number; {hint}.") from e
+        dtype, shape = np.dtype(aval.dtype), aval.shape
+    else:
+        dtype, shape = v.dtype, v.shape
+    if jnp.issubdtype(dtype, jnp.bool_):
+        raise HyperparameterTypeError(
+            f"jaxclip.{fn}: {name}={_show(value)} is boolean, not a number; {hint}."
+        )
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise HyperparameterTypeError(
+            f"jaxclip.{fn}: {name}={_show(value)} is complex; {hint} (a real number: take abs() or "
+            ".real of it)."
+        )
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise HyperparameterTypeError(
+            f"jaxclip.{fn}: {name}={_show(value)} (dtype {dtype}) is not a number; {hint}."
+        )
+    if scalar and shape != ():
+        raise ValueError(
+            f"jaxclip.{fn}: {name} must be a scalar; got an array of shape {shape}. {hint.capitalize()}."
+        )
+    return v
+
+
+def check_clip_norm(clip_norm: Any, fn: str, name: str = "clip_norm") -> None:
+    """A norm threshold: a real scalar > 0 (inf turns clipping off)."""
+    what = "a real number > 0, e.g. 1.0 (a Python number or a JAX scalar array)"
+    v = _real(clip_norm, name, fn, what)
+    if v is not None and not v > 0:  # also catches NaN
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={clip_norm!r} must be > 0 (the largest norm the updates may "
+            "have after clipping); to turn clipping off, use float('inf')."
+        )
+
+
+def check_max_norm(max_norm: Any, fn: str) -> None:
+    """An optional fixed cap on the global norm (ZClip's ``max_norm``)."""
+    v = _real(max_norm, "max_norm", fn, "a real number > 0, or None for no cap")
+    if v is not None and not v > 0:
+        raise ValueError(
+            f"jaxclip.{fn}: max_norm={max_norm!r} must be > 0 (a fixed cap on the global norm of "
+            "every step); for no cap, pass max_norm=None."
+        )
+
+
+def check_threshold(threshold: Any, fn: str) -> None:
+    """The largest global norm of a step that is applied (spike skipping)."""
+    v = _real(threshold, "threshold", fn, "a real number > 0")
+    if v is not None and not v > 0:
+        raise ValueError(
+            f"jaxclip.{fn}: threshold={threshold!r} must be > 0 (the largest global norm of a "
+            "step that is applied; steps above it are skipped); to skip only non-finite "
+            "steps, use float('inf')."
+        )
+
+
+def check_clipping(clipping: Any, fn: str) -> None:
+    """AGC's ``clipping``: the largest ratio of gradient norm to parameter norm."""
+    v = _real(clipping, "clipping", fn, "a real number > 0, e.g. 0.01")
+    if v is not None and not v > 0:
+        raise ValueError(
+            f"jaxclip.{fn}: clipping={clipping!r} must be > 0 (the largest ratio of a unit's "
+            "gradient norm to its parameter norm; the paper uses 0.01 to 0.16); to turn "
+            "clipping off, use float('inf')."
+        )
+
+
+def check_eps(eps: Any, fn: str) -> None:
+    """AGC's ``eps``: the smallest parameter norm a unit's limit is based on."""
+    v = _real(eps, "eps", fn, "a small real number > 0, e.g. 1e-3")
+    if v is not None and not (v > 0 and np.isfinite(v)):
+        raise ValueError(
+            f"jaxclip.{fn}: eps={eps!r} must be finite and > 0 (the smallest parameter norm a "
+            "unit's limit is based on, so that zero-initialised units still move; the paper "
+            "uses 1e-3)."
+        )
+
+
+def check_zclip_eps(eps: Any, fn: str) -> None:
+    """ZClip's ``eps``: added to the standard deviation in the z-score."""
+    v = _real(eps, "eps", fn, "a small real number >= 0, e.g. 1e-6")
+    if v is not None and not (v >= 0 and np.isfinite(v)):
+        raise ValueError(
+            f"jaxclip.{fn}: eps={eps!r} must be finite and >= 0 (it is added to the standard "
+            "deviation in the z-score, so that a constant norm history does not divide by "
+            "zero; the reference uses 1e-6)."
+        )
+
+
+def check_z_thresh(z_thresh: Any, fn: str) -> None:
+    """ZClip's ``z_thresh``: the z-score above which a norm is a spike."""
+    v = _real(z_thresh, "z_thresh", fn, "a real number > 0, e.g. 2.5")
+    if v is not None and not v > 0:
+        raise ValueError(
+            f"jaxclip.{fn}: z_thresh={z_thresh!r} must be > 0 (the z-score above which a global "
+            "norm counts as a spike; the paper uses 2.5); to never clip spikes, use "
+            "float('inf')."
+        )
+
+
+def check_alpha(alpha: Any, fn: str) -> None:
+    """ZClip's ``alpha``: the weight of the old statistics in the moving averages."""
+    v = _real(alpha, "alpha", fn, "a real number in [0, 1), e.g. 0.97")
+    if v is not None and not 0 <= v < 1:
+        raise ValueError(
+            f"jaxclip.{fn}: alpha={alpha!r} must be in [0, 1) (the weight of the old statistics "
+            "in the moving mean and variance; the paper uses 0.97, 0 keeps only the last norm)."
+        )
+
+
+def check_percentile(percentile: Any, fn: str) -> None:
+    """AutoClip's ``percentile`` of the past norms."""
+    v = _real(percentile, "percentile", fn, "a real number in (0, 100], e.g. 10.0")
+    if v is not None and not 0 < v <= 100:
+        raise ValueError(
+            f"jaxclip.{fn}: percentile={percentile!r} must be in (0, 100] (the percentile of the "
+            "past global norms used as the threshold; the paper uses 10, 100 clips to the "
+            "largest norm seen)."
+        )
+
+
+def check_callable(value: Any, name: str, fn: str, signature: str) -> None:
+    """An optional callable such as ``group(path, leaf) -> label``."""
+    if value is not None and not callable(value):
+        raise HyperparameterTypeError(
+            f"jaxclip.{fn}: {name}={value!r} is a {type(value).__name__}, not a callable; pass "
+            f"a function {signature}, or None."
+        )
+
+
+def static_int(value: Any, name: str, fn: str) -> int:
+    """A buffer size: a Python int >= 1 (not traced; it fixes the state's shape)."""
+    if isinstance(value, (bool, np.bool_)):
+        n = None
+    else:
+        try:
+            n = operator.index(value)
+        except TypeError:  # floats, strings, traced arrays (JAX's errors are TypeErrors)
+            n = None
+    if n is None or n < 1:
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={value!r} must be a Python int >= 1 (it sizes the state); "
+            f"with optax.inject_hyperparams pass static_args=({name!r},)."
+        )
+    return n
+
+
+# ----------------------------------------------------------------------------------------
+# Value bounds (clip_by_value): scalars or arrays that broadcast against each leaf.
+
+
+def _as_bound(value: Any, name: str, fn: str) -> tuple[Any, Optional[np.ndarray]]:
+    """A bound as passed (Python sequences and unsigned integers, whose negation would wrap
+    around, turned into NumPy arrays) and its concrete value."""
+    v = _real(value, name, fn, "a real number or an array of real numbers", scalar=False)
+    if v is not None and jnp.issubdtype(v.dtype, jnp.unsignedinteger):
+        v = v.astype(np.float64)
+        value = v
+    elif isinstance(value, (list, tuple)):
+        value = v if v is not None else jnp.asarray(value)
+    return value, v
+
+
+def _first_bad(ok: np.ndarray) -> str:
+    """``" (first at index (i, j))"`` for the first False of an array condition, ``""`` for
+    a scalar one."""
+    if ok.ndim == 0:
+        return ""
+    return f" (first at index {tuple(int(i) for i in np.argwhere(~ok)[0])})"
+
+
+def value_bounds(max_value: Any, min_value: Any, fn: str = "clip_by_value") -> tuple[Any, Any]:
+    """``(lo, hi)`` for value clipping, checked elementwise where concrete.
+
+    Bounds are real scalars or arrays (NumPy, JAX, or nested lists) that broadcast against
+    each clipped leaf, as ``tf.clip_by_value`` takes them. With ``min=None`` the range is
+    ``[-max, max]`` and ``max`` must be > 0 everywhere; else ``min <= max`` everywhere.
+    """
+    hi, vmax = _as_bound(max_value, "max", fn)
+    if min_value is None:
+        if vmax is not None:
+            ok = np.asarray(vmax > 0)
+            if not ok.all():  # also catches NaN
+                raise ValueError(
+                    f"jaxclip.{fn}(max={_show(max_value)}) with min=None clips into [-max, max], so "
+                    f"max must be > 0{' everywhere' if ok.ndim else ''}{_first_bad(ok)}; pass "
+                    "min explicitly for another range."
+                )
+        return -hi, hi
+    lo, vmin = _as_bound(min_value, "min", fn)
+    try:
+        np.broadcast_shapes(np.shape(lo), np.shape(hi))
+    except ValueError as e:
+        raise ValueError(
+            f"jaxclip.{fn}: min of shape {np.shape(lo)} and max of shape {np.shape(hi)} do not "
+            "broadcast against each other; pass bounds of broadcastable shapes."
+        ) from e
+    if vmax is not None and vmin is not None:
+        ok = np.asarray(vmin <= vmax)
+        if not ok.all():  # also catches NaN
+            where = " elementwise" if ok.ndim else ""
+            raise ValueError(
+                f"jaxclip.{fn} got min={_show(min_value)} > max={_show(max_value)}{_first_bad(ok)}; "
+                f"min must be <= max{where} (did you swap them?)."
+            )
+    return lo, hi
+
+
+def check_bound_shape(bound: Any, name: str, leaf: Array, path: str, fn: str) -> None:
+    """A value bound must broadcast to ``leaf``'s shape without enlarging it (as TensorFlow)."""
+    shape = np.shape(bound)
+    try:
+        fits = np.broadcast_shapes(shape, leaf.shape) == tuple(leaf.shape)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"jaxclip.{fn}: {name} of shape {shape} does not broadcast to the leaf at "
+            f"{_tree.shown(path)}, which has shape {leaf.shape}. Use bounds that broadcast to "
+            "every clipped leaf (a scalar, or an array of a trailing part of its shape), or "
+            "exclude this leaf with need_clip."
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# Axes (clip_by_norm, adaptive_clip).
+
+
+def _axis(a: Any) -> Optional[int]:
+    if isinstance(a, (bool, np.bool_)):
+        return None
+    try:
+        return operator.index(a)
+    except TypeError:  # floats, strings, arrays, traced values
+        return None
+
+
+def check_axes(axes: Any, fn: str = "clip_by_norm") -> Optional[tuple[int, ...]]:
+    """``axes`` as a tuple of Python ints (None stays None), or a clear error."""
+    if axes is None:
+        return None
+    bad = HyperparameterTypeError(
+        f"jaxclip.{fn}: axes={axes!r} must be an int or a sequence of ints, e.g. axes=1 or "
+        "axes=(0, 1) (as tf.clip_by_norm), or None for whole leaves."
+    )
+    single = _axis(axes)
+    if single is not None:
+        return (single,)
+    if isinstance(axes, (str, bytes)) or np.ndim(axes) > 1:
+        raise bad
+    try:
+        seq = tuple(axes)
+    except TypeError:
+        raise bad from None
+    out = tuple(_axis(a) for a in seq)
+    if any(a is None for a in out):
+        raise bad
+    if len(set(out)) != len(out):
+        raise ValueError(f"jaxclip.{fn}: axes={axes!r} names an axis twice; name each axis once.")
+    return out  # type: ignore[return-value]
+
+
+def leaf_axes(axes: Optional[tuple[int, ...]], leaf: Array, path: str) -> Optional[tuple[int, ...]]:
+    """``axes`` normalised for one leaf (sorted, non-negative), or a ValueError naming it."""
+    if axes is None:
+        return None
+    nd = leaf.ndim
+    if any(not -nd <= a < nd for a in axes):
+        raise ValueError(
+            f"jaxclip: axes={axes} is out of range for the leaf at {_tree.shown(path)}, "
+            f"which has shape {leaf.shape} ({nd} axes). Use axes valid for every selected "
+            "leaf, or exclude this one with need_clip."
+        )
+    normalized = tuple(sorted(a % nd for a in axes))
+    if len(set(normalized)) != len(normalized):
+        raise ValueError(
+            f"jaxclip: axes={axes} names one axis twice for the leaf at {_tree.shown(path)} "
+            f"({leaf.ndim} axes, so a negative and a positive index meet); name each axis once."
+        )
+    return normalized
