@@ -37,6 +37,7 @@ every norm; they are still returned bit for bit when nothing is clipped.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional, Union
@@ -174,9 +175,10 @@ def ldexp(x: Array, e: Array) -> Array:
 
 
 class Norm(NamedTuple):
-    """A norm as ``frac * 2**exp``: ``frac`` in ``[0.5, 1)``, or 0, inf or NaN with
-    ``exp == 0``; ``exp`` an integer held in ``frac``'s dtype. Exact where the value
-    itself would overflow (the norm of four float32 values of 3e38)."""
+    """A norm as ``frac * 2**exp``, ``exp`` an integer held in ``frac``'s dtype: the value
+    itself with ``exp == 0`` where it is a normal number (or 0, inf, NaN), else ``frac``
+    in [0.5, 1), so that a norm beyond the dtype's range (four float32 values of 3e38)
+    still clips exactly."""
 
     frac: Array
     exp: Array
@@ -189,7 +191,7 @@ class Norm(NamedTuple):
 
 def as_norm(value: Array) -> Norm:
     """A :class:`Norm` from a norm given as a number (``use_norm``)."""
-    return Norm(*frexp(value))
+    return Norm(value, jnp.zeros_like(value))
 
 
 def frexp(x: Array) -> tuple[Array, Array]:
@@ -291,8 +293,8 @@ def _reduce(
     shape, or None) are per-slice operands reshaped along with it. With ``native``
     the reduction is XLA's fused one: XLA:CPU's library kernels cannot fuse an f16 -> f32
     convert nor a concatenation and would materialise a widened copy. That reduce adds
-    sequentially (up to ~n/2 ulps off on constant data), so when the reduced axes are the
-    trailing ones it runs over chunks of :data:`BLOCK` elements whose results a library
+    sequentially (up to ~n/2 ulps off on constant data), so a sum over trailing axes
+    runs over chunks of :data:`BLOCK` elements whose results a library
     reduction adds (pairwise-accurate); the chunk results cost ``8 / BLOCK`` bytes per
     element. Reductions over leading axes of one slice longer than that stay sequential.
     """
@@ -302,18 +304,17 @@ def _reduce(
         return (jnp.sum if op == "sum" else jnp.max)(elem(x, s), axis=dims, keepdims=True)
     lead = x.shape[: x.ndim - len(dims)]
     length = math.prod(x.shape[len(lead) :])
-    if dims != tuple(range(len(lead), x.ndim)) or length <= BLOCK:
+    if op == "max" or dims != tuple(range(len(lead), x.ndim)) or length <= BLOCK:
         return _fused_reduce(x, elem, s, dims, op).reshape(kept)
     flat = x.reshape(lead + (length,))
     chunks = length // BLOCK
     main = flat[..., : chunks * BLOCK].reshape(lead + (chunks, BLOCK))
     s1 = None if s is None else tuple(f.reshape(lead + (1, 1)) for f in s)
     parts = _fused_reduce(main, elem, s1, (len(lead) + 1,), op)
-    r = (jnp.sum if op == "sum" else jnp.max)(parts, axis=-1)
+    r = jnp.sum(parts, axis=-1)
     if chunks * BLOCK < length:
         s2 = None if s is None else tuple(f.reshape(lead + (1,)) for f in s)
-        tail = _fused_reduce(flat[..., chunks * BLOCK :], elem, s2, (len(lead),), op)
-        r = r + tail if op == "sum" else jnp.maximum(r, tail)
+        r = r + _fused_reduce(flat[..., chunks * BLOCK :], elem, s2, (len(lead),), op)
     return r.reshape(kept)
 
 
@@ -354,10 +355,40 @@ def _scaled_elem(p: float, acc: np.dtype) -> Elem:
     return elem
 
 
-def _from_root(r: Array, e: Array) -> Norm:
-    """The norm ``r * 2**e`` as a normalised :class:`Norm`."""
+def _from_root(r: Array, e: Any) -> Norm:
+    """The norm ``r * 2**e`` as a :class:`Norm`: ``(value, 0)`` where the value is a
+    normal number (so derivatives are carried unscaled), else normalised."""
+    e = jnp.asarray(e, r.dtype)
+    v = ldexp(r, e)
     frac, k = frexp(r)
-    return Norm(frac, k + e)
+    normal = jnp.isfinite(v) & ((v >= np.finfo(r.dtype).tiny) | (v == 0))
+    return Norm(jnp.where(normal, v, frac), jnp.where(normal, 0, k + e))
+
+
+def _root_norm(s: Array, p: float, e: Any = 0) -> Norm:
+    """The norm ``s**(1/p) * 2**e`` of a power sum ``s >= 0``.
+
+    Integer ``p`` use :func:`root`. Otherwise ``s = f * 2**k`` and the root is
+    ``f**(1/p) * 2**(k/p)``: ``pow`` sees only ``f`` in [0.5, 1) (``pow(s, 1/p)`` would
+    magnify the rounding of ``1/p`` by ``ln s``, ~1e-6 at s ~ 1e-15), ``k/p`` is formed
+    with ``1/p`` split into exact parts, and its integer part stays in the exponent, so a
+    root beyond the dtype's range (``p < 1``) is still exact.
+    """
+    e = jnp.asarray(e, s.dtype)
+    if p == int(p) and p <= 64:
+        return _from_root(root(s, p), e)
+    inv = 1.0 / p
+    top = math.frexp(inv)[1]
+    hi = math.ldexp(round(math.ldexp(inv, 12 - top)), top - 12)  # 12 bits: k * hi is exact
+    mid = float(np.asarray(inv - hi, s.dtype))
+    lo = float(np.asarray(inv - hi - mid, s.dtype))
+    f, k = frexp(s)
+    q = k * hi
+    whole = jnp.floor(q)
+    r = jnp.power(f, inv) * jnp.exp2((q - whole) + (k * mid + k * lo))
+    n = _from_root(r, e + whole)
+    good = jnp.isfinite(s) & (s > 0)
+    return Norm(jnp.where(good, n.frac, s), jnp.where(good, n.exp, 0))
 
 
 def _special(m: Array, norm: Norm) -> Norm:
@@ -416,10 +447,11 @@ def _dnorm(norm: Norm, dn: Array) -> tuple[Array, Array]:
 # Per-slice norms (clip_by_norm, adaptive_clip): one norm per leaf, or per slice.
 
 
+@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket"))
 def slice_norms(
     leaves: Sequence[Array],
     p: float,
-    axes: Sequence[Axes],
+    axes: tuple[Axes, ...],
     *,
     bucket: bool = True,
 ) -> list[Norm]:
@@ -475,23 +507,26 @@ def _unit_norms_impl(
     natives = [_native(x, b) for x, b in zip(units, bucketed)]
     accs = [acc_dtype(x.dtype) for x in units]
     if p == math.inf:
-        return [
-            _special(m, _from_root(m, jnp.zeros_like(m)))
-            for m in (_max_abs(*args) for args in zip(units, axes, accs, natives))
-        ]
+        out = []
+        for x, a, acc, nat in zip(units, axes, accs, natives):
+            m = _max_abs(x, a, acc, nat)
+            if not _one_device(x):  # XLA:CPU's cross-device max drops NaN
+                m = jnp.where(jnp.any(jnp.isnan(x), axis=a, keepdims=True), jnp.nan, m)
+            out.append(_special(m, _from_root(m, jnp.zeros_like(m))))
+        return out
     sums = [_power_sum(x, p, a, nat) for x, a, nat in zip(units, axes, natives)]
     oks = [_exact_range(s, acc) for s, acc in zip(sums, accs)]
     all_ok = jnp.all(jnp.stack([jnp.all(ok) for ok in oks]))
 
     def fast() -> list[Norm]:
-        return [_from_root(root(s, p), jnp.zeros_like(s)) for s in sums]
+        return [_root_norm(s, p) for s in sums]
 
     def scaled() -> list[Norm]:
         out = []
         for x, a, b, s, ok in zip(units, axes, bucketed, sums, oks):
             m, e, t = _scaled_parts(x, p, a, _native(x, b, rare=True))
-            n = _special(m, _from_root(root(t, p), jnp.where(jnp.isfinite(e), e, 0)))
-            f = _from_root(root(s, p), jnp.zeros_like(s))
+            n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0)))
+            f = _root_norm(s, p)
             out.append(Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp)))
         return out
 
@@ -570,6 +605,7 @@ def _units(leaves: Sequence[Array], bucket: bool) -> tuple[list[Array], list[boo
     return units, [False] * (len(units) - len(buckets)) + [True] * len(buckets)
 
 
+@functools.partial(jax.jit, static_argnames=("p", "axis_name", "bucket"))
 def global_norm_parts(
     leaves: Sequence[Array],
     p: float,
@@ -614,6 +650,13 @@ def _global_norm_impl(
         for u, nat in zip(units, natives):
             m = jnp.maximum(m, _max_abs(u, None, acc_dtype(u.dtype), nat).reshape(()).astype(acc))
         m = _pmax(m, axis_name)
+        # XLA:CPU's cross-device max drops NaN: carry it by an "any" where devices meet.
+        if axis_name not in (None, ()) or not all(_one_device(u) for u in units):
+            nan = jnp.zeros((), bool)
+            for u in units:
+                nan = nan | jnp.any(jnp.isnan(u))
+            nan = _pmax(nan.astype(jnp.int32), axis_name) > 0
+            m = jnp.where(nan, jnp.nan, m)
         return _special(m, _from_root(m, jnp.zeros_like(m)))
     s = jnp.zeros((), acc)
     for u, nat in zip(units, natives):
@@ -641,10 +684,10 @@ def _global_norm_impl(
         for u, nat in zip(again, rare):
             ua = acc_dtype(u.dtype)
             t = t + _reduce(u, _scaled_elem(p, ua), None, "sum", nat, factors[ua]).reshape(()).astype(acc)
-        return _special(m, _from_root(root(_psum(t, axis_name), p), e))
+        return _special(m, _root_norm(_psum(t, axis_name), p, e))
 
     return lax.cond(
-        _exact_range(s, narrow), lambda: _from_root(root(s, p), jnp.zeros_like(s)), scaled
+        _exact_range(s, narrow), lambda: _root_norm(s, p), scaled
     )
 
 
@@ -687,11 +730,16 @@ def clip_scale(norm: Union[Norm, Array], clip_norm: Any) -> Scale:
     acc = norm.frac.dtype
     c = jnp.maximum(jnp.asarray(clip_norm, acc), 0)
     keep = norm.value <= c
-    cf, ce = frexp(c)
-    factor = cf / jnp.where(keep, 1, norm.frac)
+    cf, ce = frexp(lax.stop_gradient(c))
+    cf = ldexp(c, -ce)  # cf again, differentiable in c
+    k = frexp(lax.stop_gradient(norm.frac))[1]
+    frac = ldexp(norm.frac, -k)  # in [0.5, 1)
+    # Rounded down by one ulp, so that the clipped norm is at most c * (1 + eps) in spite
+    # of the norm's own rounding (a relative change of 6e-8 in float32).
+    factor = cf / jnp.where(keep, 1, frac) * (1 - float(np.finfo(acc).eps) / 2)
     big = factor > 1
     factor = jnp.where(big, factor / 2, factor)
-    shift = ce - norm.exp + big.astype(acc)
+    shift = ce - norm.exp - k + big.astype(acc)
     return Scale(keep, factor, shift)
 
 
@@ -703,6 +751,23 @@ def apply_scale(x: Array, scale: Scale) -> Array:
     xs = x if jnp.iscomplexobj(x) else x.astype(acc)
     scaled = ldexp(xs * factor, scale.shift.astype(acc)).astype(x.dtype)
     return jnp.where(scale.keep, x, scaled)
+
+
+@jax.jit
+def rescale(xs: Sequence[Array], norm: Union[Norm, Array], clip_norm: Any) -> list[Array]:
+    """Every array of ``xs`` (of joint norm ``norm``) scaled so that the norm is at most
+    ``clip_norm``; one compiled call, so eager use costs one dispatch."""
+    scale = clip_scale(norm, clip_norm)
+    return [apply_scale(x, scale) for x in xs]
+
+
+@jax.jit
+def rescale_each(xs: Sequence[Array], norms: Sequence[Norm], clip_norms: Any) -> list[Array]:
+    """Each array of ``xs`` scaled by its own norm (per slice) to at most its clip norm
+    (one for all, or one per array)."""
+    if not isinstance(clip_norms, (list, tuple)):
+        clip_norms = [clip_norms] * len(xs)
+    return [apply_scale(x, clip_scale(n, c)) for x, n, c in zip(xs, norms, clip_norms)]
 
 
 def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:

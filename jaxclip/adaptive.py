@@ -6,6 +6,7 @@ its statistics in a ``NamedTuple`` state whose fields ``optax.tree.get`` finds.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -102,15 +103,22 @@ def adaptive_clip(
             _checks.leaf_axes(axes_t, g, path) if axes_t is not None else _unit_axes(g.ndim)
             for g, path in zip(gs, sel.chosen_paths)
         ]
-        g_norms = _norms.slice_norms(gs, 2.0, leaf_axes)
-        p_norms = _norms.slice_norms(ps, 2.0, leaf_axes)
-        clipped = []
-        for g, gn, pn in zip(gs, g_norms, p_norms):
-            limit = clipping * jnp.maximum(pn.value.astype(gn.frac.dtype), eps)
-            clipped.append(_norms.apply_scale(g, _norms.clip_scale(gn, limit)))
+        clipped = _agc(gs, ps, tuple(leaf_axes), clipping, eps)
         return sel.rebuild(clipped), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+@functools.partial(jax.jit, static_argnames=("axes",))
+def _agc(
+    gs: list[Array], ps: list[Array], axes: tuple[Optional[tuple[int, ...]], ...], clipping: Any, eps: Any
+) -> list[Array]:
+    """Each unit of ``gs`` clipped to ``clipping * max(||unit of ps||, eps)`` (one compiled
+    call, so an eager update costs one dispatch)."""
+    g_norms = _norms.slice_norms(gs, 2.0, axes)
+    p_norms = _norms.slice_norms(ps, 2.0, axes)
+    limits = [clipping * jnp.maximum(pn.value.astype(gn.frac.dtype), eps) for gn, pn in zip(g_norms, p_norms)]
+    return _norms.rescale_each(gs, g_norms, limits)
 
 
 class AutoClipState(NamedTuple):

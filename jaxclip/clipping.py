@@ -170,13 +170,13 @@ def clip_tree_by_norm(
     sel = _tree.select(tree, need_clip, what="norm clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
     leaf_axes = [_checks.leaf_axes(axes_t, x, path) for x, path in zip(xs, sel.chosen_paths)]
-    parts = _norms.slice_norms(xs, p, leaf_axes)
+    parts = _norms.slice_norms(xs, p, tuple(leaf_axes))
     norms = [n.value for n in parts]
     if error_if_nonfinite:
         _norms.raise_if_nonfinite(
             norms, [f"norm of the leaf at {_tree.shown(path)}" for path in sel.chosen_paths]
         )
-    clipped = [_norms.apply_scale(x, _norms.clip_scale(n, clip_norm)) for x, n in zip(xs, parts)]
+    clipped = _norms.rescale_each(xs, parts, clip_norm)
     squeezed = [
         jnp.squeeze(n, axis=a) if a is not None else n.reshape(()) for n, a in zip(norms, leaf_axes)
     ]
@@ -239,9 +239,8 @@ def clip_tree_by_global_norm(
             n = _norms.global_norm_parts([xs[i] for i in members], p, axis_name=axis_name)
             if error_if_nonfinite:
                 _norms.raise_if_nonfinite([n.value], [f"global norm of group {label!r}"])
-            scale = _norms.clip_scale(n, clip_norm)
-            for i in members:
-                clipped[i] = _norms.apply_scale(xs[i], scale)
+            for i, x in zip(members, _norms.rescale([xs[i] for i in members], n, clip_norm)):
+                clipped[i] = x
             norms[label] = n.value
         return sel.rebuild(clipped), norms
     if use_norm is None:
@@ -258,8 +257,7 @@ def _rescaled(
 ) -> PyTree:
     """The tree with the selected leaves ``xs``, of joint norm ``norm``, scaled to at most
     ``clip_norm`` (unchecked, so adaptive thresholds may be traced, NaN or inf)."""
-    scale = _norms.clip_scale(norm, clip_norm)
-    return sel.rebuild([_norms.apply_scale(x, scale) for x in xs])
+    return sel.rebuild(_norms.rescale(xs, norm, clip_norm))
 
 
 def _group_labels(
