@@ -124,7 +124,11 @@ def clip_tree_by_value(
 
     def clip(x: Array) -> Array:
         x = jnp.asarray(x)
-        return jnp.clip(x, jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype))
+        lo_x, hi_x = jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype)
+        # Selects, not min/max: values inside the bounds (subnormals too, which XLA:CPU's
+        # min/max flush to zero) come back bit for bit; NaN stays NaN.
+        inside = (x >= lo_x) & (x <= hi_x)
+        return jnp.where(inside | jnp.isnan(x), x, jnp.clip(x, lo_x, hi_x))
 
     return sel.rebuild([clip(x) for x in sel.chosen])
 

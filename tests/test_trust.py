@@ -1,0 +1,98 @@
+"""Regressions of the trust issue, one per point, each failing on the code it was filed on.
+
+The broad float64 comparison lives in ``test_differential.py``; these are the exact cases
+the issue names, so that each point has a test that reads like its report.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxclip
+import reference as ref
+
+
+def test_huge_finite_values_are_clipped_not_passed_or_zeroed():
+    out, norm = jaxclip.clip_tree_by_global_norm({"w": jnp.full(4, 1e38)}, 1.0)
+    np.testing.assert_allclose(norm, 2e38, rtol=1e-6)
+    np.testing.assert_allclose(out["w"], 0.5, rtol=2e-7)
+    out, _ = jaxclip.clip_tree_by_global_norm({"w": jnp.full(4, 5e37)}, 1.0)
+    np.testing.assert_allclose(out["w"], 0.5, rtol=2e-7)
+    out, norm = jaxclip.clip_tree_by_global_norm({"w": jnp.full(4, 1e38)}, 1.0, norm_type=math.inf)
+    np.testing.assert_allclose(out["w"], 1.0, rtol=2e-7)
+    # The norm of four 3e38 exceeds float32: reported inf, yet the clip is exact.
+    out, norm = jaxclip.clip_tree_by_global_norm({"w": jnp.full(4, 3e38)}, 1.0)
+    assert norm == np.inf
+    np.testing.assert_allclose(out["w"], 0.5, rtol=2e-7)
+    tx = jaxclip.skip_large_updates(optax.sgd(1.0), 1.0)
+    upd, state = tx.update(jnp.full(4, 1e38), tx.init(jnp.zeros(4)))
+    assert int(state.skipped) == 1 and not np.any(upd)
+
+
+def test_large_low_precision_sums_are_accurate():
+    np.testing.assert_allclose(jaxclip.global_norm([jnp.ones(30_000_000, jnp.float16)]), math.sqrt(3e7), rtol=1e-5)
+    leaves = [jnp.ones(30_000, jnp.bfloat16) for _ in range(1000)]
+    np.testing.assert_allclose(jaxclip.global_norm(leaves), math.sqrt(3e7), rtol=1e-5)
+
+
+@pytest.mark.parametrize("p", [0.5, 1.5, 7.5, 9.0])
+def test_nan_propagates_for_every_norm_type(p):
+    g = {"w": jnp.array([1.0, jnp.nan, 1.0])}
+    assert np.isnan(jaxclip.global_norm(g, p))
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        jaxclip.clip_tree_by_global_norm(g, 1.0, norm_type=p, error_if_nonfinite=True)
+    tx = jaxclip.skip_large_updates(optax.sgd(1.0), 10.0, norm_type=p)
+    _, state = tx.update(g, tx.init(g))
+    assert int(state.skipped) == 1
+
+
+def test_derivatives_through_the_scaled_path():
+    x = jnp.array([1.0, 2.0, 3.0, 4.0])
+    for s in (1e25, 1e-22):
+        np.testing.assert_allclose(jax.grad(jaxclip.global_norm)(x * s), x / math.sqrt(30), rtol=1e-6)
+    w = jnp.array([1.0, -2.0, 0.5, 3.0])
+    grad = jax.grad(lambda g: jnp.sum(jaxclip.clip_tree_by_global_norm(g, 1.0)[0] * w))(x * 1e-25)
+    np.testing.assert_array_equal(grad, w)  # nothing is clipped: the identity's derivative
+
+
+def test_mixed_float32_float64_trees():
+    with jax.enable_x64(True):
+        tree = [jnp.array([1e-25, 1e-25], jnp.float32), jnp.array([1e-30], jnp.float64)]
+        np.testing.assert_allclose(jaxclip.global_norm(tree), ref.norm(tree, 2.0), rtol=1e-6)
+        tree = [jnp.zeros(3, jnp.float32), jnp.array([1e-300], jnp.float64)]
+        np.testing.assert_allclose(jaxclip.global_norm(tree), 1e-300, rtol=1e-12)
+        out, _ = jaxclip.clip_tree_by_global_norm(tree, 1e-301)
+        np.testing.assert_allclose(out[1], 1e-301, rtol=1e-12)
+        assert not np.any(np.isnan(out[0]))
+
+
+@pytest.mark.parametrize("fn", ["global", "norm", "value"])
+def test_below_the_threshold_is_bit_for_bit_subnormals_included(fn):
+    x = jnp.array([1e-40, -1e-45, 0.5, 0.0], jnp.float32)  # two float32 subnormals
+    f = {
+        "global": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0)[0],
+        "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0)[0],
+        "value": lambda g: jaxclip.clip_tree_by_value(g, 1.0),
+    }[fn]
+    for out in (f(x), jax.jit(f)(x)):
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(x).view(np.uint32))
+
+
+def test_traced_threshold_at_or_below_zero_never_flips_a_sign():
+    sched = jax.jit(lambda g, c: jaxclip.clip_tree_by_global_norm(g, c)[0])
+    g = jnp.array([3.0, -4.0])
+    for c in (0.0, -1.0):
+        np.testing.assert_array_equal(sched(g, c), jnp.zeros(2))  # "updates of norm 0"
+    # A schedule that decays through zero: 1.0 at step 0, -1.0 from step 1 on.
+    tx = optax.inject_hyperparams(jaxclip.clip_by_norm)(clip_norm=optax.linear_schedule(1.0, -1.0, 1))
+    update = jax.jit(tx.update)
+    out, state = update(g, tx.init(g))
+    np.testing.assert_allclose(out, g / 5, rtol=1e-6)
+    out, _ = update(g, state)
+    np.testing.assert_array_equal(out, jnp.zeros(2))
