@@ -5,8 +5,9 @@
 
 For each mode and tree it reports the compile time (trace + lower + compile), the median
 run time over repeated calls (jaxclip and its counterpart interleaved, so machine noise
-hits both), the ratio to the counterpart (the median of per-round ratios), the ratio to the memory floor (one reduction
-pass plus one scaling pass over one contiguous array of the same bytes) and XLA's
+hits both), the ratio to the counterpart (the median of per-round ratios), the ratio to
+the memory floor (one reduction pass plus one scaling pass over one contiguous array of
+the same bytes) and XLA's
 ``temp_size_in_bytes``. It also times ``optax.chain(clip, optax.adamw(1e-3))`` against
 ``optax.adamw(1e-3)`` alone. The table is printed as Markdown and written as JSON.
 """
@@ -19,7 +20,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -126,7 +128,11 @@ def _torch_time(tree: dict[str, jax.Array], reps: int) -> float | None:
 def run(quick: bool, reps: int) -> dict[str, Any]:
     results: dict[str, Any] = {
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {jax.devices()[0].platform}",
-        "versions": {"jax": jax.__version__, "optax": optax.__version__, "jaxclip": jaxclip.__version__},
+        "versions": {
+            "jax": jax.__version__,
+            "optax": optax.__version__,
+            "jaxclip": jaxclip.__version__,
+        },
         "quick": quick,
         "reps": reps,
         "rows": [],
@@ -139,14 +145,17 @@ def run(quick: bool, reps: int) -> dict[str, Any]:
         for mode, (ours, theirs, theirs_name) in MODES.items():
             ours_c, ours_compile, ours_temp = _compile(ours, tree)
             theirs_c, theirs_compile, theirs_temp = _compile(theirs, tree)
-            times = _time_interleaved([ours_c, theirs_c, floor_fn], [(tree,), (tree,), (flat,)], reps)
+            times = _time_interleaved(
+                [ours_c, theirs_c, floor_fn], [(tree,), (tree,), (flat,)], reps
+            )
             t_ours, t_theirs, t_floor = (statistics.median(t) for t in times)
             row = {
                 "tree": tree_name, "mode": mode, "counterpart": theirs_name,
                 "leaves": len(jax.tree.leaves(tree)), "bytes": nbytes,
                 "compile_s": ours_compile, "counterpart_compile_s": theirs_compile,
                 "compile_ratio": ours_compile / theirs_compile,
-                "run_ms": t_ours * 1e3, "counterpart_run_ms": t_theirs * 1e3, "floor_ms": t_floor * 1e3,
+                "run_ms": t_ours * 1e3, "counterpart_run_ms": t_theirs * 1e3,
+                "floor_ms": t_floor * 1e3,
                 "run_ratio": _median_ratio(times[0], times[1]),
                 "floor_ratio": _median_ratio(times[0], times[2]),
                 "temp_bytes": ours_temp, "counterpart_temp_bytes": theirs_temp,
@@ -173,8 +182,13 @@ def run(quick: bool, reps: int) -> dict[str, Any]:
             t_chain, t_alone = _time_interleaved(fns, args, reps)
             ratio = _median_ratio(t_chain, t_alone)
             results["chain"].append(
-                {"tree": tree_name, "mode": mode, "chain_ms": statistics.median(t_chain) * 1e3,
-                 "adamw_ms": statistics.median(t_alone) * 1e3, "ratio": ratio}  # fmt: skip
+                {
+                    "tree": tree_name,
+                    "mode": mode,
+                    "chain_ms": statistics.median(t_chain) * 1e3,
+                    "adamw_ms": statistics.median(t_alone) * 1e3,
+                    "ratio": ratio,
+                }
             )
             print(f"  chain {mode} + adamw on {tree_name}: {ratio:.2f}x adamw alone", flush=True)
     return results
@@ -196,7 +210,9 @@ HEADER = (
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="smaller trees and fewer repetitions")
     ap.add_argument("--reps", type=int, default=None, help="timed calls per function")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.json"))
@@ -206,7 +222,9 @@ def main() -> None:
     results = run(args.quick, reps)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    print(f"wrote {args.out} ({results['machine']}, jax {jax.__version__}, optax {optax.__version__})")
+    print(
+        f"wrote {args.out} ({results['machine']}, jax {jax.__version__}, optax {optax.__version__})"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Compile time of global-norm clipping against the number of leaves (1000 floats each).
 
-    python benchmarks/compile_scaling.py
+python benchmarks/compile_scaling.py
 """
 
 import time

@@ -1,43 +1,24 @@
-"""jaxclip: gradient clipping for JAX as optax transformations over pytrees."""
+"""jaxclip: gradient clipping for JAX as optax transformations over pytrees.
 
-from jaxclip.adaptive import (
-    AutoClipState,
-    SkipLargeUpdatesState,
-    ZClipState,
-    adaptive_clip,
-    auto_clip,
-    skip_large_updates,
-    zclip,
-)
-from jaxclip.clipping import (
-    ClipByGlobalNormState,
-    ClipByNormState,
-    clip_by_global_norm,
-    clip_by_norm,
-    clip_by_value,
-    clip_tree_by_global_norm,
-    clip_tree_by_norm,
-    clip_tree_by_value,
-    global_norm,
-)
+The public names, each declared here once (``name as name`` re-exports them).
+"""
+
+from jaxclip.adaptive import AutoClipState as AutoClipState
+from jaxclip.adaptive import SkipLargeUpdatesState as SkipLargeUpdatesState
+from jaxclip.adaptive import ZClipState as ZClipState
+from jaxclip.adaptive import adaptive_clip as adaptive_clip
+from jaxclip.adaptive import auto_clip as auto_clip
+from jaxclip.adaptive import clip_tree_adaptive as clip_tree_adaptive
+from jaxclip.adaptive import skip_large_updates as skip_large_updates
+from jaxclip.adaptive import zclip as zclip
+from jaxclip.clipping import ClipByGlobalNormState as ClipByGlobalNormState
+from jaxclip.clipping import ClipByNormState as ClipByNormState
+from jaxclip.clipping import clip_by_global_norm as clip_by_global_norm
+from jaxclip.clipping import clip_by_norm as clip_by_norm
+from jaxclip.clipping import clip_by_value as clip_by_value
+from jaxclip.clipping import clip_tree_by_global_norm as clip_tree_by_global_norm
+from jaxclip.clipping import clip_tree_by_norm as clip_tree_by_norm
+from jaxclip.clipping import clip_tree_by_value as clip_tree_by_value
+from jaxclip.clipping import global_norm as global_norm
 
 __version__ = "0.1.0"
-
-__all__ = [
-    "AutoClipState",
-    "SkipLargeUpdatesState",
-    "ZClipState",
-    "adaptive_clip",
-    "auto_clip",
-    "skip_large_updates",
-    "zclip",
-    "ClipByGlobalNormState",
-    "ClipByNormState",
-    "clip_by_global_norm",
-    "clip_by_norm",
-    "clip_by_value",
-    "clip_tree_by_global_norm",
-    "clip_tree_by_norm",
-    "clip_tree_by_value",
-    "global_norm",
-]

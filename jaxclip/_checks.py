@@ -18,41 +18,16 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxclip import _tree
-from jaxclip._norms import L2, StaticDefault, check_norm_type
 
 Array = jax.Array
-Axes = Union[None, int, Sequence[int]]
-
-__all__ = [
-    "L2",
-    "Axes",
-    "HyperparameterTypeError",
-    "StaticDefault",
-    "check_alpha",
-    "check_axes",
-    "check_bound_shape",
-    "check_callable",
-    "check_clip_norm",
-    "check_clipping",
-    "check_eps",
-    "check_max_norm",
-    "check_norm_type",
-    "check_percentile",
-    "check_threshold",
-    "check_z_thresh",
-    "check_zclip_eps",
-    "concrete",
-    "leaf_axes",
-    "static_int",
-    "value_bounds",
-]
+Axes = None | int | Sequence[int]
 
 
 class HyperparameterTypeError(TypeError, ValueError):
@@ -66,7 +41,7 @@ class HyperparameterTypeError(TypeError, ValueError):
 _TRACED = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
 
 
-def concrete(value: Any) -> Optional[np.ndarray]:
+def concrete(value: Any) -> np.ndarray | None:
     """``value`` as a NumPy array, or None when it is traced (its value is not known yet).
 
     Uses JAX's public errors for traced values rather than a check on the tracer type.
@@ -77,6 +52,58 @@ def concrete(value: Any) -> Optional[np.ndarray]:
         return None
 
 
+class StaticDefault:
+    """A default hyperparameter that ``optax.inject_hyperparams`` leaves static.
+
+    ``inject_hyperparams`` turns every numeric argument, defaults included, into an
+    array; shapes and code paths (``norm_type``, buffer sizes) must stay Python numbers.
+    This stands for its value (``float``, ``int``, ``repr``) without being a number.
+    """
+
+    def __init__(self, value: int | float) -> None:
+        self.value = value
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __index__(self) -> int:
+        return int(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+#: Default ``norm_type`` of every norm-based mode (the Euclidean norm).
+L2 = StaticDefault(2.0)
+#: A ``norm_type`` argument: a number, or a static default.
+NormType = float | StaticDefault
+#: A buffer-size argument (``window``, ``warmup_steps``): an int, or a static default.
+StaticInt = int | StaticDefault
+
+
+def check_norm_type(norm_type: Any) -> float:
+    """``norm_type`` as a float, or a ValueError saying what is accepted."""
+    if concrete(norm_type) is None:
+        raise ValueError(
+            "jaxclip: norm_type must be a static Python number, not a traced array (it "
+            "decides the computation). With optax.inject_hyperparams, pass "
+            "static_args=('norm_type',)."
+        )
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"jaxclip: norm_type={norm_type!r} is not a number; use a float p > 0 "
+            "(2.0 for the Euclidean norm) or float('inf')."
+        ) from e
+    if not p > 0:  # also catches NaN
+        raise ValueError(
+            f"jaxclip: norm_type={norm_type!r} is not a valid norm; use p > 0 "
+            "(2.0 for the Euclidean norm, 1.0, any positive float) or float('inf')."
+        )
+    return p
+
+
 def _show(value: Any) -> str:
     """A value for an error message: its repr, or its shape and dtype for a large array."""
     size = np.size(value) if not isinstance(value, (str, bytes)) else 1
@@ -85,13 +112,14 @@ def _show(value: Any) -> str:
     return f"<an array of shape {np.shape(value)}>"
 
 
-def _real(value: Any, name: str, fn: str, what: str, *, scalar: bool = True) -> Optional[np.ndarray]:
+def _real(value: Any, name: str, fn: str, what: str, *, scalar: bool = True) -> np.ndarray | None:
     """Checks that ``value`` is a real number (or, with ``scalar=False``, a real array);
     returns its concrete value, or None when traced. ``what`` says what to pass."""
     hint = f"pass {what}"
     if value is None or isinstance(value, (str, bytes, bool, np.bool_)):
         raise HyperparameterTypeError(
-            f"jaxclip.{fn}: {name}={_show(value)} is a {type(value).__name__}, not a number; {hint}."
+            f"jaxclip.{fn}: {name}={_show(value)} is a {type(value).__name__}, not a number; "
+            f"{hint}."
         )
     v = concrete(value)
     if v is None:  # traced: its dtype and shape are still known
@@ -117,7 +145,8 @@ def _real(value: Any, name: str, fn: str, what: str, *, scalar: bool = True) -> 
         )
     if scalar and shape != ():
         raise ValueError(
-            f"jaxclip.{fn}: {name} must be a scalar; got an array of shape {shape}. {hint.capitalize()}."
+            f"jaxclip.{fn}: {name} must be a scalar; got an array of shape {shape}. "
+            f"{hint.capitalize()}."
         )
     return v
 
@@ -249,7 +278,7 @@ def static_int(value: Any, name: str, fn: str) -> int:
 # Value bounds (clip_by_value): scalars or arrays that broadcast against each leaf.
 
 
-def _as_bound(value: Any, name: str, fn: str) -> tuple[Any, Optional[np.ndarray]]:
+def _as_bound(value: Any, name: str, fn: str) -> tuple[Any, np.ndarray | None]:
     """A bound as passed (Python sequences and unsigned integers, whose negation would wrap
     around, turned into NumPy arrays) and its concrete value."""
     v = _real(value, name, fn, "a real number or an array of real numbers", scalar=False)
@@ -282,8 +311,8 @@ def value_bounds(max_value: Any, min_value: Any, fn: str = "clip_by_value") -> t
             ok = np.asarray(vmax > 0)
             if not ok.all():  # also catches NaN
                 raise ValueError(
-                    f"jaxclip.{fn}(max={_show(max_value)}) with min=None clips into [-max, max], so "
-                    f"max must be > 0{' everywhere' if ok.ndim else ''}{_first_bad(ok)}; pass "
+                    f"jaxclip.{fn}(max={_show(max_value)}) with min=None clips into [-max, max], "
+                    f"so max must be > 0{' everywhere' if ok.ndim else ''}{_first_bad(ok)}; pass "
                     "min explicitly for another range."
                 )
         return -hi, hi
@@ -300,8 +329,8 @@ def value_bounds(max_value: Any, min_value: Any, fn: str = "clip_by_value") -> t
         if not ok.all():  # also catches NaN
             where = " elementwise" if ok.ndim else ""
             raise ValueError(
-                f"jaxclip.{fn} got min={_show(min_value)} > max={_show(max_value)}{_first_bad(ok)}; "
-                f"min must be <= max{where} (did you swap them?)."
+                f"jaxclip.{fn} got min={_show(min_value)} > max={_show(max_value)}"
+                f"{_first_bad(ok)}; min must be <= max{where} (did you swap them?)."
             )
     return lo, hi
 
@@ -326,7 +355,7 @@ def check_bound_shape(bound: Any, name: str, leaf: Array, path: str, fn: str) ->
 # Axes (clip_by_norm, adaptive_clip).
 
 
-def _axis(a: Any) -> Optional[int]:
+def _axis(a: Any) -> int | None:
     if isinstance(a, (bool, np.bool_)):
         return None
     try:
@@ -335,7 +364,7 @@ def _axis(a: Any) -> Optional[int]:
         return None
 
 
-def check_axes(axes: Any, fn: str = "clip_by_norm") -> Optional[tuple[int, ...]]:
+def check_axes(axes: Any, fn: str = "clip_by_norm") -> tuple[int, ...] | None:
     """``axes`` as a tuple of Python ints (None stays None), or a clear error."""
     if axes is None:
         return None
@@ -360,7 +389,7 @@ def check_axes(axes: Any, fn: str = "clip_by_norm") -> Optional[tuple[int, ...]]
     return out  # type: ignore[return-value]
 
 
-def leaf_axes(axes: Optional[tuple[int, ...]], leaf: Array, path: str) -> Optional[tuple[int, ...]]:
+def leaf_axes(axes: tuple[int, ...] | None, leaf: Array, path: str) -> tuple[int, ...] | None:
     """``axes`` normalised for one leaf (sorted, non-negative), or a ValueError naming it."""
     if axes is None:
         return None

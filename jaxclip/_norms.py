@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +48,8 @@ import numpy as np
 from jax import lax
 
 Array = jax.Array
-AxisName = Union[None, str, tuple[str, ...]]
-Axes = Optional[tuple[int, ...]]
+AxisName = None | str | tuple[str, ...]
+Axes = tuple[int, ...] | None
 Elem = Callable[[Array, Any], Array]
 
 #: Leaves at most this many bytes may be copied into a bucket before a global reduction.
@@ -71,55 +71,6 @@ def result_dtype(leaves: Sequence[Any]) -> np.dtype:
     if any(acc_dtype(x.dtype) == np.float64 for x in leaves):
         return np.dtype(np.float64)
     return np.dtype(np.float32)
-
-
-class StaticDefault:
-    """A default hyperparameter that ``optax.inject_hyperparams`` leaves static.
-
-    ``inject_hyperparams`` turns every numeric argument, defaults included, into an
-    array; shapes and code paths (``norm_type``, buffer sizes) must stay Python numbers.
-    This stands for its value (``float``, ``int``, ``repr``) without being a number.
-    """
-
-    def __init__(self, value: Union[int, float]) -> None:
-        self.value = value
-
-    def __float__(self) -> float:
-        return float(self.value)
-
-    def __index__(self) -> int:
-        return int(self.value)
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-
-#: Default ``norm_type`` of every norm-based mode (the Euclidean norm).
-L2: Any = StaticDefault(2.0)
-
-
-def check_norm_type(norm_type: Any) -> float:
-    """``norm_type`` as a float, or a ValueError saying what is accepted."""
-    if isinstance(norm_type, jax.core.Tracer):
-        raise ValueError(
-            "jaxclip: norm_type must be a static Python number, not a traced array (it "
-            "decides the computation). With optax.inject_hyperparams, pass "
-            "static_args=('norm_type',)."
-        )
-    try:
-        p = float(norm_type)
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"jaxclip: norm_type={norm_type!r} is not a number; use a float p > 0 "
-            "(2.0 for the Euclidean norm) or float('inf')."
-        ) from e
-    if not p > 0:  # also catches NaN
-        raise ValueError(
-            f"jaxclip: norm_type={norm_type!r} is not a valid norm; use p > 0 "
-            "(2.0 for the Euclidean norm, 1.0, any positive float) or float('inf')."
-        )
-    return p
-
 
 
 def _abs(x: Array, acc: np.dtype) -> Array:
@@ -285,7 +236,7 @@ def _fused_reduce(x: Array, elem: Elem, s: Any, dims: tuple[int, ...], op: str) 
 
 
 def _reduce(
-    x: Array, elem: Elem, axes: Axes, op: str, native: bool, s: Optional[tuple[Array, ...]] = None
+    x: Array, elem: Elem, axes: Axes, op: str, native: bool, s: tuple[Array, ...] | None = None
 ) -> Array:
     """Sum or max of ``elem(x, s)`` over ``axes`` (all when None), with keepdims.
 
@@ -306,14 +257,14 @@ def _reduce(
     length = math.prod(x.shape[len(lead) :])
     if op == "max" or dims != tuple(range(len(lead), x.ndim)) or length <= BLOCK:
         return _fused_reduce(x, elem, s, dims, op).reshape(kept)
-    flat = x.reshape(lead + (length,))
+    flat = x.reshape((*lead, length))
     chunks = length // BLOCK
-    main = flat[..., : chunks * BLOCK].reshape(lead + (chunks, BLOCK))
-    s1 = None if s is None else tuple(f.reshape(lead + (1, 1)) for f in s)
+    main = flat[..., : chunks * BLOCK].reshape((*lead, chunks, BLOCK))
+    s1 = None if s is None else tuple(f.reshape((*lead, 1, 1)) for f in s)
     parts = _fused_reduce(main, elem, s1, (len(lead) + 1,), op)
     r = jnp.sum(parts, axis=-1)
     if chunks * BLOCK < length:
-        s2 = None if s is None else tuple(f.reshape(lead + (1,)) for f in s)
+        s2 = None if s is None else tuple(f.reshape((*lead, 1)) for f in s)
         r = r + _fused_reduce(flat[..., chunks * BLOCK :], elem, s2, (len(lead),), op)
     return r.reshape(kept)
 
@@ -676,26 +627,30 @@ def _global_norm_impl(
         e = frexp(m)[1]
         half = jnp.floor(-e / 2)
         # 2**-e per accumulation dtype (clamped: parts out of its range are negligible).
-        factors = {d: (_pow2(half, d), _pow2(-e - half, d)) for d in {acc_dtype(u.dtype) for u in units}}
+        factors = {
+            d: (_pow2(half, d), _pow2(-e - half, d)) for d in {acc_dtype(u.dtype) for u in units}
+        }
         # A second, separately fused read; the factors pass the barrier too, else XLA:CPU
         # materialises their broadcast to the leaves' shape.
         again, factors = lax.optimization_barrier((units, factors))
         t = jnp.zeros((), acc)
         for u, nat in zip(again, rare):
             ua = acc_dtype(u.dtype)
-            t = t + _reduce(u, _scaled_elem(p, ua), None, "sum", nat, factors[ua]).reshape(()).astype(acc)
+            t = t + _reduce(u, _scaled_elem(p, ua), None, "sum", nat, factors[ua]).reshape(
+                ()
+            ).astype(acc)
         return _special(m, _root_norm(_psum(t, axis_name), p, e))
 
-    return lax.cond(
-        _exact_range(s, narrow), lambda: _root_norm(s, p), scaled
-    )
+    return lax.cond(_exact_range(s, narrow), lambda: _root_norm(s, p), scaled)
 
 
 _global_norm = jax.custom_jvp(_global_norm_impl, nondiff_argnums=(1, 2, 3))
 
 
 @_global_norm.defjvp
-def _global_norm_rule(p: float, bucketed: tuple, axis_name: AxisName, primals: tuple, tangents: tuple):
+def _global_norm_rule(
+    p: float, bucketed: tuple, axis_name: AxisName, primals: tuple, tangents: tuple
+):
     (units,), (dunits,) = primals, tangents
     norm = _global_norm(units, p, bucketed, axis_name)
     dn = jnp.zeros((), norm.frac.dtype)
@@ -718,7 +673,7 @@ class Scale(NamedTuple):
     shift: Array
 
 
-def clip_scale(norm: Union[Norm, Array], clip_norm: Any) -> Scale:
+def clip_scale(norm: Norm | Array, clip_norm: Any) -> Scale:
     """Keep where ``norm <= clip_norm``, else the factor ``clip_norm / norm`` (0 for an
     inf norm, NaN for NaN), exact at any magnitude.
 
@@ -734,9 +689,8 @@ def clip_scale(norm: Union[Norm, Array], clip_norm: Any) -> Scale:
     cf = ldexp(c, -ce)  # cf again, differentiable in c
     k = frexp(lax.stop_gradient(norm.frac))[1]
     frac = ldexp(norm.frac, -k)  # in [0.5, 1)
-    # Rounded down by one ulp, so that the clipped norm is at most c * (1 + eps) in spite
-    # of the norm's own rounding (a relative change of 6e-8 in float32).
-    factor = cf / jnp.where(keep, 1, frac) * (1 - float(np.finfo(acc).eps) / 2)
+    # Exactly c / n, rounded once (Paddle's and TensorFlow's result; no epsilon).
+    factor = cf / jnp.where(keep, 1, frac)
     big = factor > 1
     factor = jnp.where(big, factor / 2, factor)
     shift = ce - norm.exp - k + big.astype(acc)
@@ -754,7 +708,7 @@ def apply_scale(x: Array, scale: Scale) -> Array:
 
 
 @jax.jit
-def rescale(xs: Sequence[Array], norm: Union[Norm, Array], clip_norm: Any) -> list[Array]:
+def rescale(xs: Sequence[Array], norm: Norm | Array, clip_norm: Any) -> list[Array]:
     """Every array of ``xs`` (of joint norm ``norm``) scaled so that the norm is at most
     ``clip_norm``; one compiled call, so eager use costs one dispatch."""
     scale = clip_scale(norm, clip_norm)
@@ -788,7 +742,9 @@ def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:
                     "error_if_nonfinite=False to let NaN/inf propagate as in PyTorch."
                 )
 
-    if all(not isinstance(v, jax.core.Tracer) for v in values):
-        check(*values)
-    else:
+    try:
+        concrete = [np.asarray(v) for v in values]
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         jax.debug.callback(check, *values)
+    else:
+        check(*concrete)

@@ -8,7 +8,8 @@ Unselected leaves are handed back as the very same objects.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence, TypeGuard, Union
+from collections.abc import Callable, Sequence
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -16,25 +17,12 @@ import numpy as np
 from jax import tree_util as jtu
 
 PyTree = Any
-NeedClip = Union[None, bool, PyTree, Callable[[str, Any], bool]]
-
-
-def key_str(key: Any) -> str:
-    """One path component as a string: dict key, sequence index or attribute name."""
-    if isinstance(key, jtu.DictKey):
-        return str(key.key)
-    if isinstance(key, jtu.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jtu.GetAttrKey):
-        return key.name
-    if isinstance(key, jtu.FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
+NeedClip = None | bool | PyTree | Callable[[str, Any], bool]
 
 
 def path_str(path: Sequence[Any]) -> str:
     """A key path joined with ``/``, e.g. ``"encoder/0/kernel"``; ``""`` for the root."""
-    return "/".join(key_str(k) for k in path)
+    return jtu.keystr(tuple(path), simple=True, separator="/")
 
 
 def shown(path: str) -> str:
@@ -94,12 +82,11 @@ class Selection:
         return self.treedef.unflatten(leaves)
 
 
-def _mask_entries(
-    mask: PyTree, gpaths: list[tuple[Any, ...]], empty_paths: list[tuple[Any, ...]]
-) -> list[Any]:
-    """For each gradient leaf, the bool of the mask leaf whose key path is a prefix of its own."""
+def _mask_entries(mask: PyTree, tree: PyTree, gpaths: list[tuple[Any, ...]]) -> list[bool]:
+    """For each leaf of ``tree``, the bool of the ``need_clip`` entry over it (``mask`` is
+    a prefix of ``tree``; ``jax.tree.broadcast`` does the matching, this names the path
+    where it fails)."""
     mflat, _ = jtu.tree_flatten_with_path(mask)
-    by_path: dict[tuple[Any, ...], Any] = {}
     for mpath, m in mflat:
         if not _is_bool(m):
             raise TypeError(
@@ -107,33 +94,25 @@ def _mask_entries(
                 f"{type(m).__name__}; a need_clip tree holds Python bools (one per leaf, or one "
                 "for a whole subtree)."
             )
-        by_path[tuple(mpath)] = bool(m)
-    used: set[tuple[Any, ...]] = set()
-    out = []
+    try:
+        return [bool(m) for m in jax.tree.leaves(jax.tree.broadcast(mask, tree))]
+    except ValueError:
+        pass
+    mpaths = [tuple(p) for p, _ in mflat]
     for gpath in gpaths:
-        for depth in range(len(gpath), -1, -1):
-            if gpath[:depth] in by_path:
-                used.add(gpath[:depth])
-                out.append(by_path[gpath[:depth]])
-                break
-        else:
+        if not any(gpath[: len(m)] == m for m in mpaths):
             raise ValueError(
                 f"jaxclip: need_clip has no entry for the gradient leaf at "
                 f"{shown(path_str(gpath))}. Give need_clip the structure of the gradients "
                 "(or a prefix of it, one bool per subtree), or pass a callable "
                 "need_clip(path, leaf) -> bool."
-            )
-    for mpath in by_path:
-        if mpath in used:
-            continue
-        # A mask entry may stand over a None / MaskedNode / empty subtree of the gradients.
-        if not any(e[: len(mpath)] == mpath or mpath[: len(e)] == e for e in empty_paths):
-            raise ValueError(
-                f"jaxclip: need_clip has an entry at {shown(path_str(mpath))} but the "
-                "gradients have no leaf there. Build need_clip from the gradients' (or the "
-                "params') structure, e.g. jax.tree.map(lambda _: True, params)."
-            )
-    return out
+            ) from None
+    extra = next((m for m in mpaths if not any(g[: len(m)] == m for g in gpaths)), ())
+    raise ValueError(
+        f"jaxclip: need_clip has an entry at {shown(path_str(extra))} but the "
+        "gradients have no leaf there. Build need_clip from the gradients' (or the "
+        "params') structure, e.g. jax.tree.map(lambda _: True, params)."
+    ) from None
 
 
 #: What to do when init and update select different leaves (see :func:`check_same_selection`).
@@ -171,11 +150,6 @@ def leaves_by_path(tree: PyTree) -> dict[str, Any]:
     """Every leaf of ``tree`` keyed by its ``/``-joined path, with no selection or checks."""
     flat, _ = jtu.tree_flatten_with_path(tree)
     return {path_str(p): x for p, x in flat}
-
-
-def _is_empty_node(x: Any) -> bool:
-    """None, optax.MaskedNode, and any container without leaves (``{}``, ``[]``, ``[{}]``)."""
-    return x is None or len(jtu.tree_leaves(x)) == 0
 
 
 def _is_bool(m: Any) -> bool:
@@ -244,9 +218,7 @@ def select(
                 )
             wanted.append(bool(w))
     else:
-        empty, _ = jtu.tree_flatten_with_path(tree, is_leaf=_is_empty_node)
-        empty_paths = [tuple(p) for p, x in empty if _is_empty_node(x)]
-        wanted = _mask_entries(need_clip, gpaths, empty_paths)
+        wanted = _mask_entries(need_clip, tree, gpaths)
 
     selected = []
     for w, d, p in zip(wanted, dtypes, paths):

@@ -7,31 +7,25 @@ its statistics in a ``NamedTuple`` state whose fields ``optax.tree.get`` finds.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxclip import _checks, _norms, _tree
-from jaxclip._checks import Axes
+from jaxclip._checks import Axes, NormType, StaticInt
 from jaxclip.clipping import _rescaled
 
 Array = jax.Array
 PyTree = Any
 
-__all__ = [
-    "AutoClipState",
-    "SkipLargeUpdatesState",
-    "ZClipState",
-    "adaptive_clip",
-    "auto_clip",
-    "skip_large_updates",
-    "zclip",
-]
+# Static defaults (see _checks.StaticDefault): inject_hyperparams leaves them Python ints.
+_WINDOW = _checks.StaticDefault(1000)
+_WARMUP = _checks.StaticDefault(25)
 
 
-def _unit_axes(ndim: int) -> Optional[tuple[int, ...]]:
+def _unit_axes(ndim: int) -> tuple[int, ...] | None:
     """The paper's units: vectors and scalars whole; else one unit per output channel
     (the last axis), i.e. the norm over all other axes ((in, out) -> 0, HWIO -> 0, 1, 2)."""
     return None if ndim <= 1 else tuple(range(ndim - 1))
@@ -75,49 +69,91 @@ def adaptive_clip(
     """
     _checks.check_clipping(clipping, "adaptive_clip")
     _checks.check_eps(eps, "adaptive_clip")
-    axes_t = _checks.check_axes(axes, "adaptive_clip")
+    _checks.check_axes(axes, "adaptive_clip")
 
-    def update_fn(updates: PyTree, state: optax.EmptyState, params: Optional[PyTree] = None):
+    def clip(updates: PyTree, params: PyTree | None = None) -> PyTree:
         if params is None:
             raise ValueError(
                 "jaxclip.adaptive_clip needs the parameters: call update(grads, state, params)."
             )
-        sel = _tree.select(updates, need_clip, what="adaptive clipping")
-        pleaves = _tree.leaves_by_path(params)
-        gs = [jnp.asarray(g) for g in sel.chosen]
-        missing = [p for p in sel.chosen_paths if p not in pleaves]
-        if missing:
-            raise ValueError(
-                f"jaxclip: adaptive_clip found no parameter at {_tree.shown(missing[0])}; "
-                "params must have the structure of the updates."
-            )
-        ps = [jnp.asarray(pleaves[p]) for p in sel.chosen_paths]
-        for g, p, path in zip(gs, ps, sel.chosen_paths):
-            if p.shape != g.shape:
-                raise ValueError(
-                    f"jaxclip.adaptive_clip: the parameter at {_tree.shown(path)} has shape "
-                    f"{p.shape} but its gradient has shape {g.shape}; pass update the params "
-                    "the gradients were taken of (the same structure and shapes)."
-                )
-        leaf_axes = [
-            _checks.leaf_axes(axes_t, g, path) if axes_t is not None else _unit_axes(g.ndim)
-            for g, path in zip(gs, sel.chosen_paths)
-        ]
-        clipped = _agc(gs, ps, tuple(leaf_axes), clipping, eps)
-        return sel.rebuild(clipped), state
+        return clip_tree_adaptive(updates, params, clipping, eps, axes=axes, need_clip=need_clip)
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+    return optax.stateless(clip)
+
+
+def clip_tree_adaptive(
+    tree: PyTree,
+    params: PyTree,
+    clipping: Any,
+    eps: Any = 1e-3,
+    *,
+    axes: Axes = None,
+    need_clip: _tree.NeedClip = None,
+) -> PyTree:
+    """Clips each unit of ``tree`` to ``clipping * max(||unit of params||, eps)`` (AGC).
+
+    The function behind :func:`adaptive_clip`, for custom loops.
+
+    Args:
+      tree: the gradients.
+      params: the parameters, of the gradients' structure and shapes.
+      clipping: the largest allowed ratio of gradient norm to parameter norm, > 0.
+      eps: the smallest parameter norm used; finite and > 0.
+      axes: the axes a unit's norm is taken over, for every leaf; None for the defaults
+        of :func:`adaptive_clip`.
+      need_clip: which leaves are clipped (see :func:`jaxclip.clip_by_value`).
+
+    Returns:
+      The clipped tree; unselected leaves are the very same objects.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxclip
+      >>> jaxclip.clip_tree_adaptive(jnp.array([3.0, 4.0]), jnp.array([0.0, 2.0]), 0.5)
+      Array([0.6, 0.8], dtype=float32)
+    """
+    _checks.check_clipping(clipping, "clip_tree_adaptive")
+    _checks.check_eps(eps, "clip_tree_adaptive")
+    axes_t = _checks.check_axes(axes, "clip_tree_adaptive")
+    sel = _tree.select(tree, need_clip, what="adaptive clipping")
+    pleaves = _tree.leaves_by_path(params)
+    gs = [jnp.asarray(g) for g in sel.chosen]
+    missing = [p for p in sel.chosen_paths if p not in pleaves]
+    if missing:
+        raise ValueError(
+            f"jaxclip: adaptive_clip found no parameter at {_tree.shown(missing[0])}; "
+            "params must have the structure of the updates."
+        )
+    ps = [jnp.asarray(pleaves[p]) for p in sel.chosen_paths]
+    for g, p, path in zip(gs, ps, sel.chosen_paths):
+        if p.shape != g.shape:
+            raise ValueError(
+                f"jaxclip.adaptive_clip: the parameter at {_tree.shown(path)} has shape "
+                f"{p.shape} but its gradient has shape {g.shape}; pass update the params "
+                "the gradients were taken of (the same structure and shapes)."
+            )
+    leaf_axes = [
+        _checks.leaf_axes(axes_t, g, path) if axes_t is not None else _unit_axes(g.ndim)
+        for g, path in zip(gs, sel.chosen_paths)
+    ]
+    return sel.rebuild(_agc(gs, ps, tuple(leaf_axes), clipping, eps))
 
 
 @functools.partial(jax.jit, static_argnames=("axes",))
 def _agc(
-    gs: list[Array], ps: list[Array], axes: tuple[Optional[tuple[int, ...]], ...], clipping: Any, eps: Any
+    gs: list[Array],
+    ps: list[Array],
+    axes: tuple[tuple[int, ...] | None, ...],
+    clipping: Any,
+    eps: Any,
 ) -> list[Array]:
     """Each unit of ``gs`` clipped to ``clipping * max(||unit of ps||, eps)`` (one compiled
     call, so an eager update costs one dispatch)."""
     g_norms = _norms.slice_norms(gs, 2.0, axes)
     p_norms = _norms.slice_norms(ps, 2.0, axes)
-    limits = [clipping * jnp.maximum(pn.value.astype(gn.frac.dtype), eps) for gn, pn in zip(g_norms, p_norms)]
+    limits = [
+        clipping * jnp.maximum(pn.value.astype(gn.frac.dtype), eps)
+        for gn, pn in zip(g_norms, p_norms)
+    ]
     return _norms.rescale_each(gs, g_norms, limits)
 
 
@@ -126,13 +162,13 @@ class AutoClipState(NamedTuple):
 
     Attributes:
       history: the last ``window`` finite global norms (a ring buffer; NaN where empty).
-      count: how many finite norms were recorded in all.
+      finite_count: how many finite norms were recorded in all.
       threshold: the clipping threshold used at the last update.
       global_norm: the pre-clip global norm of the last update.
     """
 
     history: Array
-    count: Array
+    finite_count: Array
     threshold: Array
     global_norm: Array
 
@@ -140,7 +176,7 @@ class AutoClipState(NamedTuple):
 def auto_clip(
     percentile: float = 10.0,
     *,
-    window: int = _norms.StaticDefault(1000),
+    window: StaticInt = _WINDOW,
     need_clip: _tree.NeedClip = None,
 ) -> optax.GradientTransformation:
     """AutoClip: clips the global norm to a percentile of the global norms seen so far.
@@ -180,20 +216,27 @@ def auto_clip(
     def init_fn(params: PyTree) -> AutoClipState:
         del params
         f32 = jnp.float32
-        return AutoClipState(jnp.full((window,), jnp.nan, f32), jnp.zeros((), jnp.int32), jnp.zeros((), f32), jnp.zeros((), f32))
+        return AutoClipState(
+            jnp.full((window,), jnp.nan, f32),
+            jnp.zeros((), jnp.int32),
+            jnp.zeros((), f32),
+            jnp.zeros((), f32),
+        )
 
     def update_fn(updates: PyTree, state: AutoClipState, params: Any = None):
         del params
         sel, xs, norm = _selected(updates, need_clip)
         finite = jnp.isfinite(norm)
-        history = jnp.where(finite, state.history.at[state.count % window].set(norm), state.history)
-        count = state.count + finite.astype(jnp.int32)
+        history = jnp.where(
+            finite, state.history.at[state.finite_count % window].set(norm), state.history
+        )
+        count = state.finite_count + finite.astype(jnp.int32)
         # With no finite norm recorded yet (a non-finite first step) the threshold is 0, so
         # an inf norm scales by 0 and a NaN norm gives NaN, as in clip_by_global_norm.
         threshold = jnp.where(count > 0, jnp.nanpercentile(history, percentile), 0.0)
         return _rescaled(sel, xs, norm, threshold), AutoClipState(history, count, threshold, norm)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def _selected(
@@ -212,7 +255,7 @@ class ZClipState(NamedTuple):
       mean: exponential moving mean of the (clipped) global norm.
       var: exponential moving variance of the (clipped) global norm.
       warmup: the finite norms seen during warm-up (NaN where not yet seen).
-      count: how many finite norms were seen in all.
+      finite_count: how many finite norms were seen in all.
       threshold: the norm the last update was clipped to (its pre-clip norm if none).
       global_norm: the pre-clip global norm of the last update.
     """
@@ -220,7 +263,7 @@ class ZClipState(NamedTuple):
     mean: Array
     var: Array
     warmup: Array
-    count: Array
+    finite_count: Array
     threshold: Array
     global_norm: Array
 
@@ -228,9 +271,9 @@ class ZClipState(NamedTuple):
 def zclip(
     alpha: float = 0.97,
     z_thresh: float = 2.5,
-    warmup_steps: int = _norms.StaticDefault(25),
+    warmup_steps: StaticInt = _WARMUP,
     *,
-    max_norm: Optional[float] = None,
+    max_norm: float | None = None,
     eps: float = 1e-6,
     need_clip: _tree.NeedClip = None,
 ) -> optax.GradientTransformation:
@@ -280,6 +323,7 @@ def zclip(
 
     def init_fn(params: PyTree) -> ZClipState:
         del params
+
         # A new buffer per field (never one array in two fields), so that the state can be
         # donated: jax.jit(tx.update, donate_argnums=(1,)).
         def zero() -> Array:
@@ -292,7 +336,7 @@ def zclip(
         del params
         sel, xs, norm = _selected(updates, need_clip)
         finite = jnp.isfinite(norm)
-        warming = state.count < warmup_steps
+        warming = state.finite_count < warmup_steps
         std = jnp.sqrt(state.var)
         z = (norm - state.mean) / (std + eps)
         spike = ~warming & (z > z_thresh)
@@ -301,8 +345,12 @@ def zclip(
         threshold = jnp.minimum(adaptive, cap)
         clipped = _rescaled(sel, xs, norm, threshold)
 
-        warmup = jnp.where(warming & finite, state.warmup.at[state.count % warmup_steps].set(norm), state.warmup)
-        ready = warming & finite & (state.count + 1 == warmup_steps)
+        warmup = jnp.where(
+            warming & finite,
+            state.warmup.at[state.finite_count % warmup_steps].set(norm),
+            state.warmup,
+        )
+        ready = warming & finite & (state.finite_count + 1 == warmup_steps)
         mean0 = jnp.nanmean(warmup)
         var0 = jnp.nanmean((warmup - mean0) ** 2)
         mean1 = alpha * state.mean + (1 - alpha) * adaptive
@@ -310,10 +358,10 @@ def zclip(
         tracking = ~warming & finite
         mean = jnp.where(ready, mean0, jnp.where(tracking, mean1, state.mean))
         var = jnp.where(ready, var0, jnp.where(tracking, var1, state.var))
-        count = state.count + finite.astype(jnp.int32)
+        count = state.finite_count + finite.astype(jnp.int32)
         return clipped, ZClipState(mean, var, warmup, count, threshold, norm)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 class SkipLargeUpdatesState(NamedTuple):
@@ -336,13 +384,14 @@ def skip_large_updates(
     inner: optax.GradientTransformation,
     threshold: float,
     *,
-    norm_type: float = _norms.L2,
+    norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
 ) -> optax.GradientTransformation:
     """Skips steps whose incoming global norm is above ``threshold`` or non-finite.
 
     A step whose norm is inf or NaN is always skipped, also with ``threshold=inf``
-    (which then skips only those). On a skipped step the updates are zeros and ``inner``'s state is left as it was, so
+    (which then skips only those). On a skipped step the updates are zeros and
+    ``inner``'s state is left as it was, so
     (unlike zeroing the gradients) Adam's moments do not decay and its step count does
     not advance. Compare ``optax.apply_if_finite``, which skips non-finite steps only.
 
@@ -370,7 +419,10 @@ def skip_large_updates(
     def init_fn(params: PyTree) -> SkipLargeUpdatesState:
         # A new buffer per field, so that the state can be donated.
         return SkipLargeUpdatesState(
-            inner.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+            inner.init(params),
+            jnp.zeros((), jnp.int32),
+            jnp.zeros((), jnp.int32),
+            jnp.zeros((), jnp.float32),
         )
 
     def update_fn(updates: PyTree, state: SkipLargeUpdatesState, params: Any = None, **extra: Any):
@@ -380,9 +432,11 @@ def skip_large_updates(
             updates, state.inner_state, params, **extra
         )
         out = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
-        inner_state = jax.tree.map(lambda old, new: jnp.where(skip, old, new), state.inner_state, new_inner)
+        inner_state = jax.tree.map(
+            lambda old, new: jnp.where(skip, old, new), state.inner_state, new_inner
+        )
         skipped = state.skipped + skip.astype(jnp.int32)
         consecutive = jnp.where(skip, state.consecutive + 1, 0)
         return out, SkipLargeUpdatesState(inner_state, skipped, consecutive, norm)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

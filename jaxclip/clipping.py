@@ -7,31 +7,19 @@ them, and delegates to the ``clip_tree_*`` function, which takes its selection f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Callable, Hashable, NamedTuple, Optional, Union
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxclip import _checks, _norms, _tree
+from jaxclip._checks import Axes, NormType
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
 PyTree = Any
-Axes = Union[None, int, Sequence[int]]
-
-__all__ = [
-    "ClipByGlobalNormState",
-    "ClipByNormState",
-    "clip_by_global_norm",
-    "clip_by_norm",
-    "clip_by_value",
-    "clip_tree_by_global_norm",
-    "clip_tree_by_norm",
-    "clip_tree_by_value",
-    "global_norm",
-]
 
 
 class ClipByGlobalNormState(NamedTuple):
@@ -42,7 +30,7 @@ class ClipByGlobalNormState(NamedTuple):
         dict label -> norm when the transformation has a ``group``.
     """
 
-    global_norm: Array
+    global_norm: Array | dict[Hashable, Array]
 
 
 class ClipByNormState(NamedTuple):
@@ -62,7 +50,7 @@ class ClipByNormState(NamedTuple):
 
 def global_norm(
     tree: PyTree,
-    norm_type: float = _norms.L2,
+    norm_type: NormType = _checks.L2,
     *,
     need_clip: _tree.NeedClip = None,
     axis_name: _norms.AxisName = None,
@@ -95,7 +83,7 @@ def global_norm(
 
 
 def clip_tree_by_value(
-    tree: PyTree, max: ArrayLike, min: Optional[ArrayLike] = None, *, need_clip: _tree.NeedClip = None
+    tree: PyTree, max: ArrayLike, min: ArrayLike | None = None, *, need_clip: _tree.NeedClip = None
 ) -> PyTree:
     """Clips every selected element into ``[min, max]`` (``[-max, max]`` when min is None).
 
@@ -138,7 +126,7 @@ def clip_tree_by_norm(
     clip_norm: ArrayLike,
     *,
     axes: Axes = None,
-    norm_type: float = _norms.L2,
+    norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
     error_if_nonfinite: bool = False,
 ) -> tuple[PyTree, PyTree]:
@@ -191,12 +179,12 @@ def clip_tree_by_global_norm(
     tree: PyTree,
     clip_norm: ArrayLike,
     *,
-    norm_type: float = _norms.L2,
+    norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
     axis_name: _norms.AxisName = None,
-    use_norm: Optional[ArrayLike] = None,
+    use_norm: ArrayLike | None = None,
     error_if_nonfinite: bool = False,
-    group: Optional[Callable[[str, Any], Hashable]] = None,
+    group: Callable[[str, Any], Hashable] | None = None,
 ) -> tuple[PyTree, Any]:
     """Scales all selected leaves together so that their joint norm is at most ``clip_norm``.
 
@@ -235,7 +223,9 @@ def clip_tree_by_global_norm(
     xs = [jnp.asarray(x) for x in sel.chosen]
     if group is not None:
         if use_norm is not None:
-            raise ValueError("jaxclip: use_norm and group cannot be combined: pass one norm per call.")
+            raise ValueError(
+                "jaxclip: use_norm and group cannot be combined: pass one norm per call."
+            )
         labels, per_leaf = _group_labels(group, sel)
         norms, clipped = {}, list(xs)
         for label in labels:
@@ -257,7 +247,7 @@ def clip_tree_by_global_norm(
 
 
 def _rescaled(
-    sel: _tree.Selection, xs: Sequence[Array], norm: Union[Array, _norms.Norm], clip_norm: Any
+    sel: _tree.Selection, xs: Sequence[Array], norm: Array | _norms.Norm, clip_norm: Any
 ) -> PyTree:
     """The tree with the selected leaves ``xs``, of joint norm ``norm``, scaled to at most
     ``clip_norm`` (unchecked, so adaptive thresholds may be traced, NaN or inf)."""
@@ -312,7 +302,7 @@ def _check_same_groups(init_norms: Any, norms: dict, updates: PyTree, group: Cal
 
 
 def clip_by_value(
-    max: ArrayLike, min: Optional[ArrayLike] = None, *, need_clip: _tree.NeedClip = None
+    max: ArrayLike, min: ArrayLike | None = None, *, need_clip: _tree.NeedClip = None
 ) -> optax.GradientTransformation:
     """Clips updates element-wise into ``[min, max]``.
 
@@ -354,18 +344,18 @@ def clip_by_value(
     """
     _checks.value_bounds(max, min, "clip_by_value")
 
-    def update_fn(updates: PyTree, state: optax.EmptyState, params: Any = None):
+    def clip(updates: PyTree, params: Any = None) -> PyTree:
         del params
-        return clip_tree_by_value(updates, max, min, need_clip=need_clip), state
+        return clip_tree_by_value(updates, max, min, need_clip=need_clip)
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+    return optax.stateless(clip)
 
 
 def clip_by_norm(
     clip_norm: ArrayLike,
     *,
     axes: Axes = None,
-    norm_type: float = _norms.L2,
+    norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
     error_if_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
@@ -431,17 +421,17 @@ def clip_by_norm(
             )
         return clipped, ClipByNormState(largest)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def clip_by_global_norm(
     clip_norm: ArrayLike,
     *,
-    norm_type: float = _norms.L2,
+    norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
     axis_name: _norms.AxisName = None,
     error_if_nonfinite: bool = False,
-    group: Optional[Callable[[str, Any], Hashable]] = None,
+    group: Callable[[str, Any], Hashable] | None = None,
 ) -> optax.GradientTransformation:
     """Scales all selected updates together so that their joint norm is at most ``clip_norm``.
 
@@ -496,7 +486,9 @@ def clip_by_global_norm(
     def init_fn(params: PyTree) -> ClipByGlobalNormState:
         if group is None:
             return ClipByGlobalNormState(jnp.zeros((), jnp.float32))
-        labels, _ = _group_labels(group, _tree.select(params, need_clip, what="global-norm clipping"))
+        labels, _ = _group_labels(
+            group, _tree.select(params, need_clip, what="global-norm clipping")
+        )
         return ClipByGlobalNormState({label: jnp.zeros((), jnp.float32) for label in labels})
 
     def update_fn(updates: PyTree, state: ClipByGlobalNormState, params: Any = None):
@@ -514,4 +506,4 @@ def clip_by_global_norm(
             _check_same_groups(state.global_norm, norm, updates, group)
         return clipped, ClipByGlobalNormState(jax.tree.map(lambda n: n.astype(jnp.float32), norm))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

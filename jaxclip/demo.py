@@ -94,7 +94,11 @@ def make_chunk(clip: optax.GradientTransformation, chunk: int) -> Callable:
 
 
 def train(
-    name: str, make: Callable[[], optax.GradientTransformation], steps: int, chunk: int, bar: Any = None
+    name: str,
+    make: Callable[[], optax.GradientTransformation],
+    steps: int,
+    chunk: int,
+    bar: Any = None,
 ) -> Trace:
     """Trains one mode for ``steps`` steps (``chunk`` steps per compiled scan)."""
     clip = make()
@@ -141,14 +145,18 @@ class _Bar:
 
 
 def table(traces: dict[str, Trace]) -> str:
-    rows = ["| mode | final loss | non-finite loss steps | largest pre-clip norm | steps clipped |", "|---|---|---|---|---|"]
+    rows = [
+        "| mode | final loss | non-finite loss steps | largest pre-clip norm | steps clipped |",
+        "|---|---|---|---|---|",
+    ]
     for name, t in traces.items():
-        tail = t.loss[-max(1, len(t.loss) // 10):]
+        tail = t.loss[-max(1, len(t.loss) // 10) :]
         final = float(np.mean(tail)) if np.all(np.isfinite(tail)) else float("nan")
         finite_pre = t.pre_norm[np.isfinite(t.pre_norm)]
         largest = f"{finite_pre.max():.3g}" if finite_pre.size else "nan"
         clipped = "—" if name == "none" else f"{np.mean(t.clipped):.0%}"
-        rows.append(f"| {name} | {final:.4g} | {int(np.sum(~np.isfinite(t.loss)))} | {largest} | {clipped} |")
+        bad = int(np.sum(~np.isfinite(t.loss)))
+        rows.append(f"| {name} | {final:.4g} | {bad} | {largest} | {clipped} |")
     return "\n".join(rows)
 
 
@@ -163,9 +171,19 @@ def plot(traces: dict[str, Trace], path: str) -> None:
         style = {"color": "black", "lw": 2} if name == "none" else {"lw": 1}
         ax_loss.plot(np.where(np.isfinite(t.loss), t.loss, np.nan), label=name, **style)
         ax_norm.plot(np.where(np.isfinite(t.pre_norm), t.pre_norm, np.nan), label=name, **style)
-    ax_loss.set(yscale="log", ylim=(1e-2, 1e4), xlabel="step", ylabel="training loss (MSE)",
-                title="loss (unclipped leaves the plot, then turns NaN)")
-    ax_norm.set(yscale="log", xlabel="step", ylabel="global gradient norm before clipping", title="gradient norm")
+    ax_loss.set(
+        yscale="log",
+        ylim=(1e-2, 1e4),
+        xlabel="step",
+        ylabel="training loss (MSE)",
+        title="loss (unclipped leaves the plot, then turns NaN)",
+    )
+    ax_norm.set(
+        yscale="log",
+        xlabel="step",
+        ylabel="global gradient norm before clipping",
+        title="gradient norm",
+    )
     ax_loss.legend(fontsize=7)
     fig.suptitle(f"tanh RNN, sequence length {SEQ}, SGD lr {LR}: jaxclip modes vs no clipping")
     fig.tight_layout()
@@ -174,7 +192,9 @@ def plot(traces: dict[str, Trace], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Trace]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=600, help="training steps per mode (default 600)")
     ap.add_argument("--quick", action="store_true", help="100 steps per mode")
     ap.add_argument("--out", default="jaxclip_demo.png", help="where to write the plot (PNG)")

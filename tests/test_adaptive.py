@@ -95,7 +95,7 @@ def test_auto_clip_scripted(window):
             np.testing.assert_allclose(out, min(n, threshold), rtol=1e-6)
         else:
             assert all(np.all(np.isnan(x)) for x in jax.tree.leaves(out))
-    assert int(states[-1].count) == sum(np.isfinite(NORMS))
+    assert int(states[-1].finite_count) == sum(np.isfinite(NORMS))
 
 
 # ----------------------------------------------------------------------------------------
