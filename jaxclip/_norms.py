@@ -27,7 +27,7 @@ memory (each guarded by a ``memory_analysis()`` test): reductions read the leave
 an optimisation barrier (:func:`_reduction_view`), f16/f8 leaves, 16-bit buckets and the
 rare path use a reduce XLA fuses itself (:func:`_reduce`), and bf16 buckets are
 concatenated as 16-bit words (:func:`_concatenate`). XLA's own fused reduce accumulates
-sequentially, so it runs over blocks of :data:`BLOCK` elements whose results are summed
+sequentially, so it runs over chunks of :data:`BLOCK` elements whose results are summed
 by the library reduction: the rounding error stays that of a ``BLOCK``-term sum.
 On GPU/TPU these measures cost nothing.
 
@@ -55,7 +55,7 @@ Elem = Callable[[Array, Any], Array]
 #: Leaves at most this many bytes may be copied into a bucket before a global reduction.
 BUCKET_MAX_BYTES = 64 * 1024
 #: XLA's fused (sequential) reduce runs over blocks of this many elements.
-BLOCK = 512
+BLOCK = 256
 
 
 def acc_dtype(dtype: Any) -> np.dtype:
@@ -206,14 +206,16 @@ def _reduction_view(arrays: Sequence[Array]) -> list[Array]:
     return list(lax.optimization_barrier(list(arrays))) if arrays else []
 
 
-def _native(x: Array, bucketed: bool, rare: bool = False) -> bool:
+def _native(x: Array, bucketed: bool, rare: bool = False, p: float = 2.0) -> bool:
     """Whether ``x`` is reduced by XLA's own fused reduce (see :func:`_reduce`): f16 and
     8-bit leaves, 16-bit buckets, and everything on the rare path (XLA:CPU's library
     reduce would materialise the broadcast of the scale factors, or a widened copy where
     two reductions read one low-precision leaf); never a sharded leaf, whose variadic
     reduce XLA would partition with an all-gather."""
     small = x.dtype.itemsize < 4 and not jnp.iscomplexobj(x)
-    wanted = rare or (small and (x.dtype != jnp.bfloat16 or bucketed))
+    # bf16 goes to the library reduce only where its convert fuses (integer powers).
+    fractional = math.isfinite(p) and p != int(p)
+    wanted = rare or (small and (x.dtype != jnp.bfloat16 or bucketed or fractional))
     return wanted and _one_device(x)
 
 
@@ -244,28 +246,38 @@ def _reduce(
     shape, or None) are per-slice operands reshaped along with it. With ``native``
     the reduction is XLA's fused one: XLA:CPU's library kernels cannot fuse an f16 -> f32
     convert nor a concatenation and would materialise a widened copy. That reduce adds
-    sequentially (up to ~n/2 ulps off on constant data), so a sum over trailing axes
-    runs over chunks of :data:`BLOCK` elements whose results a library
-    reduction adds (pairwise-accurate); the chunk results cost ``8 / BLOCK`` bytes per
-    element. Reductions over leading axes of one slice longer than that stay sequential.
+    sequentially (up to ~n/2 ulps off on constant data), so a sum over trailing or leading
+    axes runs over chunks of :data:`BLOCK` elements (twice that for 8-bit data) whose
+    results a library reduction adds (pairwise-accurate); the chunk results cost
+    ``8 / BLOCK`` bytes per element. Axes in the middle stay one sequential reduce.
     """
     dims = tuple(range(x.ndim)) if axes is None else axes
     kept = tuple(1 if i in dims else d for i, d in enumerate(x.shape))
     if not native:
         return (jnp.sum if op == "sum" else jnp.max)(elem(x, s), axis=dims, keepdims=True)
-    lead = x.shape[: x.ndim - len(dims)]
-    length = math.prod(x.shape[len(lead) :])
-    if op == "max" or dims != tuple(range(len(lead), x.ndim)) or length <= BLOCK:
+    block = BLOCK if x.dtype.itemsize > 1 else 2 * BLOCK  # chunk results <= 2% of the bytes
+    n = len(dims)
+    length = math.prod(x.shape[d] for d in dims)
+    if op == "max" or length <= block:
         return _fused_reduce(x, elem, s, dims, op).reshape(kept)
-    flat = x.reshape((*lead, length))
-    chunks = length // BLOCK
-    main = flat[..., : chunks * BLOCK].reshape((*lead, chunks, BLOCK))
-    s1 = None if s is None else tuple(f.reshape((*lead, 1, 1)) for f in s)
-    parts = _fused_reduce(main, elem, s1, (len(lead) + 1,), op)
-    r = jnp.sum(parts, axis=-1)
-    if chunks * BLOCK < length:
-        s2 = None if s is None else tuple(f.reshape((*lead, 1)) for f in s)
-        r = r + _fused_reduce(flat[..., chunks * BLOCK :], elem, s2, (len(lead),), op)
+    if dims == tuple(range(x.ndim - n, x.ndim)):  # trailing: chunks along the last axis
+        lead = x.shape[: x.ndim - n]
+        flat, at = x.reshape((*lead, length)), len(lead)
+        s = None if s is None else tuple(f.reshape((*lead, 1)) for f in s)
+    elif dims == tuple(range(n)):  # leading (AGC's units, tf's axes=0): along the first
+        rest = x.shape[n:]
+        flat, at = x.reshape((length, *rest)), 0
+        s = None if s is None else tuple(f.reshape((1, *rest)) for f in s)
+    else:  # reduced axes in the middle: one sequential reduce (rare)
+        return _fused_reduce(x, elem, s, dims, op).reshape(kept)
+    chunks = length // block
+    shape = (*flat.shape[:at], chunks, block, *flat.shape[at + 1 :])
+    main = lax.slice_in_dim(flat, 0, chunks * block, axis=at).reshape(shape)
+    s1 = None if s is None else tuple(jnp.expand_dims(f, at + 1) for f in s)
+    r = jnp.sum(_fused_reduce(main, elem, s1, (at + 1,), op), axis=at)
+    if chunks * block < length:
+        tail = lax.slice_in_dim(flat, chunks * block, length, axis=at)
+        r = r + _fused_reduce(tail, elem, s, (at,), op)
     return r.reshape(kept)
 
 
@@ -398,29 +410,11 @@ def _dnorm(norm: Norm, dn: Array) -> tuple[Array, Array]:
 # Per-slice norms (clip_by_norm, adaptive_clip): one norm per leaf, or per slice.
 
 
-@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket"))
-def slice_norms(
-    leaves: Sequence[Array],
-    p: float,
-    axes: tuple[Axes, ...],
-    *,
-    bucket: bool = True,
-) -> list[Norm]:
-    """Norms of each leaf over its ``axes`` (all axes when None), with ``keepdims``.
-
-    Small whole-leaf norms are computed in buckets: leaves of one dtype and size class
-    (the next power of two) are zero-padded into the rows of one matrix, whose row norms
-    are one reduction, so a thousand small leaves compile to a few kernels.
-
-    Args:
-      leaves: floating or complex arrays.
-      p: the norm type (> 0, or inf).
-      axes: per leaf, the axes to reduce (normalised, non-negative), or None for all.
-      bucket: bucket small single-device leaves whose ``axes`` is None.
-
-    Returns:
-      Per leaf, a :class:`Norm` broadcastable against it, in its accumulation dtype.
-    """
+def _slice_unit_norms(
+    leaves: Sequence[Array], p: float, axes: tuple[Axes, ...], bucket: bool
+) -> tuple[list[Norm], list[tuple[int, int]]]:
+    """The norms of the reduced units (leaves, or buckets of small leaves as rows), and
+    per leaf ``(unit, row)`` (row -1 for a whole unit)."""
     units: list[Array] = []
     unit_axes: list[Axes] = []
     where: list[tuple[int, int]] = []  # per leaf: (unit, row), row -1 for a whole unit
@@ -444,18 +438,82 @@ def slice_norms(
         unit_axes.append((1,))
     bucketed = (False,) * (len(units) - len(groups)) + (True,) * len(groups)
     norms = _unit_norms(tuple(units), p, tuple(unit_axes), bucketed) if units else []
+    return norms, where
+
+
+def _per_leaf(
+    leaves: Sequence[Array], per_unit: Sequence[Any], where: Sequence[tuple[int, int]]
+) -> list[Any]:
+    """Per leaf, its unit's tuple of arrays, or the row of a bucket, shaped to broadcast."""
     out = []
     for x, (u, row) in zip(leaves, where):
-        n = norms[u]
-        out.append(n if row < 0 else Norm(*(v[row].reshape((1,) * x.ndim) for v in n)))
+        v = per_unit[u]
+        if row >= 0:
+            rows = [f[row].reshape((1,) * x.ndim) for f in v]
+            v = type(v)(*rows) if hasattr(v, "_fields") else tuple(rows)
+        out.append(v)
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket"))
+def slice_norms(
+    leaves: Sequence[Array],
+    p: float,
+    axes: tuple[Axes, ...],
+    *,
+    bucket: bool = True,
+) -> list[Norm]:
+    """Norms of each leaf over its ``axes`` (all axes when None), with ``keepdims``.
+
+    Small whole-leaf norms are computed in buckets: leaves of one dtype and size class
+    (the next power of two) are zero-padded into the rows of one matrix, whose row norms
+    are one reduction, so a thousand small leaves compile to a few kernels.
+
+    Args:
+      leaves: floating or complex arrays.
+      p: the norm type (> 0, or inf).
+      axes: per leaf, the axes to reduce (normalised, non-negative), or None for all.
+      bucket: bucket small single-device leaves whose ``axes`` is None.
+
+    Returns:
+      Per leaf, a :class:`Norm` broadcastable against it, in its accumulation dtype.
+    """
+    norms, where = _slice_unit_norms(leaves, p, axes, bucket)
+    return _per_leaf(leaves, norms, where)
+
+
+@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket"))
+def clip_slices(
+    leaves: Sequence[Array],
+    p: float,
+    axes: tuple[Axes, ...],
+    clip_norm: Any,
+    *,
+    bucket: bool = True,
+) -> tuple[list[Array], list[Array]]:
+    """Each leaf (each slice over its ``axes``) scaled to norm at most ``clip_norm``.
+
+    The clipping factors are computed once per reduced unit (a bucket's rows together),
+    not once per leaf, so a thousand small leaves add a few scalar ops each.
+
+    Returns:
+      ``(clipped, norms)``: the scaled leaves, and per leaf its norms with the ``axes``
+      dimensions removed (a scalar for a whole leaf).
+    """
+    norms, where = _slice_unit_norms(leaves, p, axes, bucket)
+    per_unit = [(n.value, *clip_scale(n, clip_norm)) for n in norms]
+    out, values = [], []
+    for x, a, (value, *scale) in zip(leaves, axes, _per_leaf(leaves, per_unit, where)):
+        out.append(apply_scale(x, Scale(*scale)))
+        values.append(value.reshape(()) if a is None else jnp.squeeze(value, axis=a))
+    return out, values
 
 
 def _unit_norms_impl(
     units: tuple[Array, ...], p: float, axes: tuple[Axes, ...], bucketed: tuple[bool, ...]
 ) -> list[Norm]:
     """Norms over ``axes`` (keepdims) of each array, overflow-safe, with one shared cond."""
-    natives = [_native(x, b) for x, b in zip(units, bucketed)]
+    natives = [_native(x, b, p=p) for x, b in zip(units, bucketed)]
     accs = [acc_dtype(x.dtype) for x in units]
     if p == math.inf:
         out = []
@@ -595,7 +653,7 @@ def _global_norm_impl(
     units: tuple[Array, ...], p: float, bucketed: tuple[bool, ...], axis_name: AxisName
 ) -> Norm:
     acc = result_dtype(units)
-    natives = [_native(u, b) for u, b in zip(units, bucketed)]
+    natives = [_native(u, b, p=p) for u, b in zip(units, bucketed)]
     if p == math.inf:
         m = jnp.zeros((), acc)
         for u, nat in zip(units, natives):
@@ -666,16 +724,20 @@ def _global_norm_rule(
 
 class Scale(NamedTuple):
     """The clipping factor of a norm: ``x`` is kept as it is where ``keep``, else
-    multiplied by ``factor * 2**shift`` (``factor`` in (0.25, 1], or 0 or NaN)."""
+    multiplied by ``f0 * f1 * f2`` in turn: ``f0`` carries the mantissa of ``c / n`` and
+    as much of its exponent as stays normal, ``f1`` and ``f2`` (powers of two, 1 in the
+    common case) the rest, so that no factor is ever subnormal."""
 
     keep: Array
-    factor: Array
-    shift: Array
+    f0: Array
+    f1: Array
+    f2: Array
 
 
 def clip_scale(norm: Norm | Array, clip_norm: Any) -> Scale:
     """Keep where ``norm <= clip_norm``, else the factor ``clip_norm / norm`` (0 for an
-    inf norm, NaN for NaN), exact at any magnitude.
+    inf norm, NaN for NaN), exact at any magnitude: the factor is ``c / n`` rounded once
+    (Paddle's and TensorFlow's result; no epsilon).
 
     A ``clip_norm`` at or below 0 (a traced schedule that decays to 0) means "updates
     of norm 0": the factor is 0, never negative.
@@ -685,33 +747,34 @@ def clip_scale(norm: Norm | Array, clip_norm: Any) -> Scale:
     acc = norm.frac.dtype
     c = jnp.maximum(jnp.asarray(clip_norm, acc), 0)
     keep = norm.value <= c
-    cf, ce = frexp(lax.stop_gradient(c))
-    cf = ldexp(c, -ce)  # cf again, differentiable in c
+    ce = frexp(lax.stop_gradient(c))[1]
+    cf = ldexp(c, -ce)  # in [0.5, 1), differentiable in c
     k = frexp(lax.stop_gradient(norm.frac))[1]
     frac = ldexp(norm.frac, -k)  # in [0.5, 1)
-    # Exactly c / n, rounded once (Paddle's and TensorFlow's result; no epsilon).
-    factor = cf / jnp.where(keep, 1, frac)
-    big = factor > 1
-    factor = jnp.where(big, factor / 2, factor)
-    shift = ce - norm.exp - k + big.astype(acc)
-    return Scale(keep, factor, shift)
+    factor = cf / jnp.where(keep, 1, frac)  # in (0.5, 2)
+    shift = ce - norm.exp - k
+    info = np.finfo(acc)
+    s0 = jnp.clip(shift, info.minexp + 1, info.maxexp - 2)  # factor * 2**s0 is normal
+    rest = shift - s0
+    s1 = jnp.ceil(rest / 2)
+    return Scale(keep, factor * _pow2(s0, acc), _pow2(s1, acc), _pow2(rest - s1, acc))
 
 
 def apply_scale(x: Array, scale: Scale) -> Array:
     """``x`` where the scale keeps it (bit for bit, subnormals included), else
-    ``x * factor * 2**shift`` with one rounding into ``x.dtype``."""
+    ``x * c / n`` with one rounding into ``x.dtype``."""
     acc = acc_dtype(x.dtype)
-    factor = scale.factor.astype(acc)
     xs = x if jnp.iscomplexobj(x) else x.astype(acc)
-    scaled = ldexp(xs * factor, scale.shift.astype(acc)).astype(x.dtype)
-    return jnp.where(scale.keep, x, scaled)
+    f0, f1, f2 = (f.astype(acc) for f in scale[1:])
+    return jnp.where(scale.keep, x, (xs * f0 * f1 * f2).astype(x.dtype))
 
 
 @jax.jit
 def rescale(xs: Sequence[Array], norm: Norm | Array, clip_norm: Any) -> list[Array]:
     """Every array of ``xs`` (of joint norm ``norm``) scaled so that the norm is at most
     ``clip_norm``; one compiled call, so eager use costs one dispatch."""
-    scale = clip_scale(norm, clip_norm)
+    # Behind a barrier, else XLA fuses the scalar factor maths into every leaf's kernel.
+    scale = lax.optimization_barrier(clip_scale(norm, clip_norm))
     return [apply_scale(x, scale) for x in xs]
 
 

@@ -162,17 +162,12 @@ def clip_tree_by_norm(
     sel = _tree.select(tree, need_clip, what="norm clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
     leaf_axes = [_checks.leaf_axes(axes_t, x, path) for x, path in zip(xs, sel.chosen_paths)]
-    parts = _norms.slice_norms(xs, p, tuple(leaf_axes))
-    norms = [n.value for n in parts]
+    clipped, norms = _norms.clip_slices(xs, p, tuple(leaf_axes), clip_norm)
     if error_if_nonfinite:
         _norms.raise_if_nonfinite(
             norms, [f"norm of the leaf at {_tree.shown(path)}" for path in sel.chosen_paths]
         )
-    clipped = _norms.rescale_each(xs, parts, clip_norm)
-    squeezed = [
-        jnp.squeeze(n, axis=a) if a is not None else n.reshape(()) for n, a in zip(norms, leaf_axes)
-    ]
-    return sel.rebuild(clipped), sel.per_leaf(squeezed)
+    return sel.rebuild(clipped), sel.per_leaf(norms)
 
 
 def clip_tree_by_global_norm(

@@ -1,15 +1,20 @@
-"""float64 NumPy references for the formulas in DESIGN.md (never the code under test)."""
+"""float64 NumPy references for the formulas in README.md ("API": the semantics paragraph;
+"Numerics"), never the code under test; ``RECORDED`` holds the real libraries' outputs that
+``tests/reference/record.py`` wrote to ``tests/reference/reference_outputs.json``."""
 
 from __future__ import annotations
 
 import json
 import math
 import pathlib
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-RECORDED = json.loads((pathlib.Path(__file__).parent / "reference" / "reference_outputs.json").read_text())
+RECORDED = json.loads(
+    (pathlib.Path(__file__).parent / "reference" / "reference_outputs.json").read_text()
+)
 
 
 def f64(x: Any) -> np.ndarray:
@@ -18,7 +23,7 @@ def f64(x: Any) -> np.ndarray:
     return x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)
 
 
-def norm(xs: Sequence[Any], p: float, axes: Optional[tuple[int, ...]] = None) -> Any:
+def norm(xs: Sequence[Any], p: float, axes: tuple[int, ...] | None = None) -> Any:
     """(sum |x|^p)^(1/p) over all of ``xs`` (axes=None) or over ``axes`` of one array.
 
     Computed as m * (sum (|x|/m)^p)^(1/p) in float64 so that 1e30 and 1e-30 are exact too.
@@ -30,7 +35,9 @@ def norm(xs: Sequence[Any], p: float, axes: Optional[tuple[int, ...]] = None) ->
         if p == math.inf:
             return m
         safe = np.where(m > 0, m, 1.0)
-        return np.where(m > 0, m * np.sum((a / safe) ** p, axis=axes, keepdims=True) ** (1 / p), 0.0)
+        return np.where(
+            m > 0, m * np.sum((a / safe) ** p, axis=axes, keepdims=True) ** (1 / p), 0.0
+        )
     flat = np.concatenate([np.abs(f64(x)).ravel() for x in xs]) if xs else np.zeros(0)
     if flat.size == 0:
         return 0.0
@@ -52,7 +59,7 @@ def clip_global(xs: Sequence[Any], c: float, p: float = 2.0) -> tuple[list[np.nd
     return [f64(x) * s for x in xs], n
 
 
-def clip_each(x: Any, c: float, p: float = 2.0, axes: Optional[tuple[int, ...]] = None) -> np.ndarray:
+def clip_each(x: Any, c: float, p: float = 2.0, axes: tuple[int, ...] | None = None) -> np.ndarray:
     if axes is None:
         return f64(x) * scale(norm([x], p), c)
     return f64(x) * scale(norm([x], p, axes), c)

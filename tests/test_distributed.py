@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-import reference as ref
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
@@ -25,7 +25,14 @@ SPECS = {
     "small_replicated": P(),
     "vec": P("data"),
 }
-SHAPES = {"both": (8, 16), "cols": (6, 8), "rows": (16, 3), "replicated": (5, 7), "small_replicated": (3,), "vec": (4,)}
+SHAPES = {
+    "both": (8, 16),
+    "cols": (6, 8),
+    "rows": (16, 3),
+    "replicated": (5, 7),
+    "small_replicated": (3,),
+    "vec": (4,),
+}
 
 
 def _grads() -> dict[str, np.ndarray]:
@@ -34,7 +41,9 @@ def _grads() -> dict[str, np.ndarray]:
 
 
 def _mesh(kind: AxisType) -> Mesh:
-    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"), axis_types=(kind, kind))
+    return Mesh(
+        np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"), axis_types=(kind, kind)
+    )
 
 
 def _place(tree: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
@@ -87,7 +96,9 @@ def test_clip_by_norm_axes_over_a_sharded_axis_is_per_slice():
     sharded = _place(host, _mesh(AxisType.Auto))
     out, norms = jax.jit(lambda g: jaxclip.clip_tree_by_norm(g, 1.0, axes=0))(sharded)
     for k in ("both", "rows"):  # axis 0 is sharded for these
-        np.testing.assert_allclose(norms[k], np.squeeze(ref.norm([host[k]], 2.0, axes=(0,)), 0), rtol=2e-6)
+        np.testing.assert_allclose(
+            norms[k], np.squeeze(ref.norm([host[k]], 2.0, axes=(0,)), 0), rtol=2e-6
+        )
         np.testing.assert_allclose(out[k], ref.clip_each(host[k], 1.0, axes=(0,)), rtol=2e-6)
 
 
@@ -118,8 +129,10 @@ def test_shard_map_data_parallel_replicas_need_no_axis_name():
     f = jax.jit(
         jax.shard_map(
             lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0)[1][None],
-            mesh=mesh, in_specs=(P(),), out_specs=P(("data", "model")),
-        )  # fmt: skip
+            mesh=mesh,
+            in_specs=(P(),),
+            out_specs=P(("data", "model")),
+        )
     )
     norms = f(host)
     np.testing.assert_allclose(norms, np.full(8, ref.norm(list(host.values()), 2.0)), rtol=2e-6)
@@ -128,7 +141,10 @@ def test_shard_map_data_parallel_replicas_need_no_axis_name():
 @pytest.mark.parametrize("p", [2.0, math.inf])
 def test_pmap_with_axis_name(p):
     x = np.random.default_rng(1).normal(size=(8, 5, 3)).astype(np.float32)
-    f = jax.pmap(lambda g: jaxclip.clip_tree_by_global_norm({"w": g}, 1.0, norm_type=p, axis_name="i"), axis_name="i")
+    f = jax.pmap(
+        lambda g: jaxclip.clip_tree_by_global_norm({"w": g}, 1.0, norm_type=p, axis_name="i"),
+        axis_name="i",
+    )
     out, n = f(x)
     np.testing.assert_allclose(n, np.full(8, ref.norm([x], p)), rtol=2e-6)
     np.testing.assert_allclose(out["w"], ref.clip_global([x], 1.0, p)[0][0], rtol=2e-6)

@@ -22,7 +22,10 @@ GRADS = {"encoder": [{"kernel": jnp.ones((2, 3))}], "bias": jnp.ones(3)}
         (lambda: jaxclip.clip_by_value(max=-1.0, min=1.0), r"min=1.0 > max=-1.0"),
         (lambda: jaxclip.clip_by_value(max=0.0), r"max must be > 0"),
         (lambda: jaxclip.clip_by_value(max=-1.0), r"max must be > 0"),
-        (lambda: jaxclip.clip_by_global_norm(1.0, norm_type=0.0), r"norm_type=0.0 is not a valid norm"),
+        (
+            lambda: jaxclip.clip_by_global_norm(1.0, norm_type=0.0),
+            r"norm_type=0.0 is not a valid norm",
+        ),
         (lambda: jaxclip.clip_by_global_norm(1.0, norm_type=-2), r"not a valid norm"),
         (lambda: jaxclip.clip_by_norm(1.0, norm_type=float("nan")), r"not a valid norm"),
         (lambda: jaxclip.clip_by_norm(1.0, norm_type="fro"), r"not a number"),
@@ -59,7 +62,9 @@ def test_callable_returning_non_bool_names_path():
 
 def test_axes_out_of_range_names_leaf():
     tx = jaxclip.clip_by_norm(1.0, axes=1)
-    with pytest.raises(ValueError, match=r"out of range for the leaf at 'bias', which has shape \(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"out of range for the leaf at 'bias', which has shape \(3,\)"
+    ):
         jax.jit(tx.update)(GRADS, tx.init(GRADS))
 
 

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import reference as ref
+from _helpers import train
 
 import jaxclip
-import reference as ref
 
 RNG = np.random.default_rng(3)
 X = jnp.asarray(RNG.normal(size=(32, 5)), jnp.float32)
@@ -26,21 +27,7 @@ PARAMS = {"w": jnp.zeros(5), "b": jnp.zeros(())}
 
 
 def _train(tx, steps=20, params=PARAMS, grad_scale=None):
-    state = tx.init(params)
-
-    @jax.jit
-    def step(p, s, scale):
-        loss, g = jax.value_and_grad(_loss)(p)
-        g = jax.tree.map(lambda t: t * scale, g)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
-    losses = []
-    for i in range(steps):
-        scale = 1.0 if grad_scale is None else grad_scale(i)
-        params, state, loss = step(params, state, jnp.float32(scale))
-        losses.append(float(loss))
-    return params, state, losses
+    return train(tx, _loss, params, steps, grad_scale)
 
 
 def test_chain_with_adamw_trains_and_logs_the_norm():
@@ -51,12 +38,16 @@ def test_chain_with_adamw_trains_and_logs_the_norm():
     assert float(optax.tree.get(state, "global_norm")) > 0
     # The first step's norm is the norm of the gradient at the initial parameters.
     _, s1, _ = _train(tx, steps=1)
-    np.testing.assert_allclose(optax.tree.get(s1, "global_norm"), ref.norm(jax.tree.leaves(g), 2.0), rtol=1e-5)
+    np.testing.assert_allclose(
+        optax.tree.get(s1, "global_norm"), ref.norm(jax.tree.leaves(g), 2.0), rtol=1e-5
+    )
 
 
 def test_inject_hyperparams_schedule_in_training():
     schedule = optax.linear_schedule(5.0, 0.5, transition_steps=10)
-    tx = optax.chain(optax.inject_hyperparams(jaxclip.clip_by_global_norm)(clip_norm=schedule), optax.sgd(0.05))
+    tx = optax.chain(
+        optax.inject_hyperparams(jaxclip.clip_by_global_norm)(clip_norm=schedule), optax.sgd(0.05)
+    )
     _, state, losses = _train(tx, steps=12)
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
     np.testing.assert_allclose(state[0].hyperparams["clip_norm"], 0.5, rtol=1e-6)
@@ -64,7 +55,9 @@ def test_inject_hyperparams_schedule_in_training():
 
 def test_multisteps_clips_the_accumulated_gradient():
     k = 3
-    tx = optax.MultiSteps(optax.chain(jaxclip.clip_by_global_norm(1.0), optax.sgd(1.0)), every_k_schedule=k)
+    tx = optax.MultiSteps(
+        optax.chain(jaxclip.clip_by_global_norm(1.0), optax.sgd(1.0)), every_k_schedule=k
+    )
     state = tx.init(PARAMS)
     grads = [{"w": jnp.full(5, float(i + 1)), "b": jnp.asarray(2.0 * i)} for i in range(k)]
     for g in grads[:-1]:
@@ -78,8 +71,10 @@ def test_multisteps_clips_the_accumulated_gradient():
 
 
 def test_masked_in_training_leaves_the_bias_unclipped():
-    tx = optax.chain(optax.masked(jaxclip.clip_by_global_norm(0.1), {"w": True, "b": False}), optax.sgd(0.01))
-    p, _, losses = _train(tx, steps=5)
+    tx = optax.chain(
+        optax.masked(jaxclip.clip_by_global_norm(0.1), {"w": True, "b": False}), optax.sgd(0.01)
+    )
+    _, _, losses = _train(tx, steps=5)
     assert losses[-1] < losses[0]
     g_b = float(jax.grad(_loss)(jax.tree.map(jnp.asarray, PARAMS))["b"])
     p1, _, _ = _train(tx, steps=1)
@@ -87,8 +82,10 @@ def test_masked_in_training_leaves_the_bias_unclipped():
 
 
 def test_apply_if_finite_skips_nan_steps():
-    tx = optax.apply_if_finite(optax.chain(jaxclip.clip_by_global_norm(1.0), optax.sgd(0.1)), max_consecutive_errors=5)
-    p, state, losses = _train(tx, steps=6, grad_scale=lambda i: np.nan if i == 3 else 1.0)
+    tx = optax.apply_if_finite(
+        optax.chain(jaxclip.clip_by_global_norm(1.0), optax.sgd(0.1)), max_consecutive_errors=5
+    )
+    _, state, losses = _train(tx, steps=6, grad_scale=lambda i: np.nan if i == 3 else 1.0)
     assert np.all(np.isfinite(losses))
     assert int(state.total_notfinite) == 1
 
@@ -101,9 +98,43 @@ def test_checkpoint_roundtrip_gives_the_same_next_step(tmp_path):
     restored_params, restored_state = pickle.loads(path.read_bytes())
     g = jax.grad(_loss)(params)
     a, sa = jax.jit(tx.update)(g, state, params)
-    b, sb = jax.jit(tx.update)(g, jax.tree.map(jnp.asarray, restored_state), jax.tree.map(jnp.asarray, restored_params))
+    b, sb = jax.jit(tx.update)(
+        g, jax.tree.map(jnp.asarray, restored_state), jax.tree.map(jnp.asarray, restored_params)
+    )
     for x, y in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb))):
         np.testing.assert_array_equal(x, y)
+
+
+def _by_path(tree):
+    """{"hidden/kernel": float64 copy, ...}: the array leaves of ``tree`` (None left out) by
+    path, without the ``value`` attribute of Flax NNX variables."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        jax.tree_util.keystr(p, simple=True, separator="/").removesuffix("/value"): ref.f64(x)
+        for p, x in leaves
+    }
+
+
+def _expected_first_step(grads, lr, clip_norm, selected, value_clip=None):
+    """The first step of chain(clip_by_global_norm(clip_norm, need_clip=selected),
+    [clip_by_value(value_clip)], sgd(lr, momentum)) in float64 (the momentum trace starts
+    at 0, so the step is -lr times the clipped gradient), and the pre-clip norm."""
+    chosen = [k for k in grads if selected(k)]
+    clipped, norm = ref.clip_global([grads[k] for k in chosen], clip_norm)
+    clipped = dict(zip(chosen, clipped))
+    step = {}
+    for k, g in grads.items():
+        c = clipped.get(k, g)
+        step[k] = -lr * (c if value_clip is None else np.clip(c, -value_clip, value_clip))
+    return step, norm
+
+
+def _assert_applied(after, before, expected):
+    """The parameters moved by the expected step (up to float32 rounding of the parameters)."""
+    assert after.keys() == expected.keys()
+    for k in expected:
+        moved = after[k] - before[k]
+        np.testing.assert_allclose(moved, expected[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_flax_nnx_optimizer():
@@ -117,38 +148,69 @@ def test_flax_nnx_optimizer():
         def __call__(self, x):
             return self.out(jnp.tanh(self.hidden(x)))[:, 0]
 
-    model = Model(nnx.Rngs(0))
-    clip = jaxclip.clip_by_global_norm(1.0, need_clip=lambda path, leaf: not path.endswith("bias"))
-    optimizer = nnx.Optimizer(model, optax.chain(clip, optax.adam(0.05)), wrt=nnx.Param)
+    model, lr = Model(nnx.Rngs(0)), 0.05
+    selected = lambda path: not path.endswith("bias")  # noqa: E731
+    clip = jaxclip.clip_by_global_norm(1.0, need_clip=lambda path, leaf: selected(path))
+    optimizer = nnx.Optimizer(model, optax.chain(clip, optax.sgd(lr, momentum=0.9)), wrt=nnx.Param)
 
     @nnx.jit
     def step(model, optimizer):
         loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(X) - Y) ** 2))(model)
         optimizer.update(model, grads)
-        return loss
+        return loss, grads
 
-    losses = [float(step(model, optimizer)) for _ in range(40)]
+    def logged_norm():
+        norm = optax.tree.get(optimizer.opt_state, "global_norm")  # an nnx OptArray
+        return float(jnp.asarray(norm))
+
+    before = _by_path(nnx.state(model, nnx.Param))
+    loss, grads = step(model, optimizer)
+    grads = _by_path(grads)
+    expected, norm = _expected_first_step(grads, lr, 1.0, selected)
+    assert norm > 1.0  # the step is clipped
+    np.testing.assert_allclose(logged_norm(), norm, rtol=1e-5)  # biases left out of the norm
+    after = _by_path(nnx.state(model, nnx.Param))
+    assert after.keys() == {"hidden/bias", "hidden/kernel", "out/bias", "out/kernel"}
+    _assert_applied(after, before, expected)
+    losses = [float(loss)]
+    for _ in range(39):
+        loss, grads = step(model, optimizer)
+        losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0]
-    norm = float(jnp.asarray(optax.tree.get(optimizer.opt_state, "global_norm")))  # an nnx OptArray
-    assert np.isfinite(norm) and norm > 0
+    last = _by_path(grads)
+    last_norm = ref.norm([last[k] for k in last if selected(k)], 2.0)
+    np.testing.assert_allclose(logged_norm(), last_norm, rtol=1e-5)
 
 
 def test_equinox_filtered_gradients_with_none_leaves():
     eqx = pytest.importorskip("equinox")
-    model = eqx.nn.MLP(5, 1, width_size=8, depth=2, key=jax.random.key(0))
-    tx = optax.chain(jaxclip.clip_by_global_norm(1.0), jaxclip.clip_by_value(0.5), optax.adam(0.05))
+    model, lr = eqx.nn.MLP(5, 1, width_size=8, depth=2, key=jax.random.key(0)), 0.05
+    clip = optax.chain(jaxclip.clip_by_global_norm(1.0), jaxclip.clip_by_value(0.5))
+    tx = optax.chain(clip, optax.sgd(lr, momentum=0.9))
     state = tx.init(eqx.filter(model, eqx.is_array))
 
     @eqx.filter_jit
     def step(model, state):
-        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((jax.vmap(m)(X)[:, 0] - Y) ** 2))(model)
+        loss, grads = eqx.filter_value_and_grad(
+            lambda m: jnp.mean((jax.vmap(m)(X)[:, 0] - Y) ** 2)
+        )(model)
         assert any(leaf is None for leaf in jax.tree.leaves(grads, is_leaf=lambda x: x is None))
         updates, state = tx.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), state, loss
+        return eqx.apply_updates(model, updates), state, loss, grads
 
-    losses = []
-    for _ in range(40):
-        model, state, loss = step(model, state)
+    before = _by_path(eqx.filter(model, eqx.is_array))
+    model, state, loss, grads = step(model, state)
+    grads = _by_path(grads)
+    assert grads.keys() == before.keys() and len(grads) == 6  # three layers' weight and bias
+    expected, norm = _expected_first_step(grads, lr, 1.0, lambda path: True, value_clip=0.5)
+    assert norm > 1.0
+    np.testing.assert_allclose(optax.tree.get(state, "global_norm"), norm, rtol=1e-5)
+    after = _by_path(eqx.filter(model, eqx.is_array))
+    _assert_applied(after, before, expected)
+    losses = [float(loss)]
+    for _ in range(39):
+        model, state, loss, grads = step(model, state)
         losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0]
-    assert float(optax.tree.get(state, "global_norm")) > 0
+    last_norm = ref.norm(jax.tree.leaves(grads), 2.0)
+    np.testing.assert_allclose(optax.tree.get(state, "global_norm"), last_norm, rtol=1e-5)

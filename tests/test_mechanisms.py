@@ -23,7 +23,9 @@ def test_thousand_leaf_global_norm_lowers_to_a_handful_of_reductions():
     ours = _reduce_count(lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0), tree)
     theirs = _reduce_count(lambda g: optax.clip_by_global_norm(1.0).update(g, None), tree)
     assert theirs >= 1000  # one kernel per leaf: what makes optax slow to compile
-    assert ours <= 4, ours  # the bucket's sum, and its max and scaled sum on the rare path
+    # The bucket's sum; on the rare path its max and its scaled sum in chunks (the chunk
+    # reduce, the sum of the chunk results, the tail).
+    assert ours <= 5, ours
 
 
 def test_thousand_leaf_clip_by_norm_buckets_its_reductions():
@@ -36,13 +38,20 @@ def test_large_leaves_are_not_bucketed():
     big = jnp.ones((_norms.BUCKET_MAX_BYTES // 4 + 1,))
     text = jax.jit(lambda g: jaxclip.global_norm(g)).lower([big, big]).as_text()
     assert "concatenate" not in text
-    assert text.count("stablehlo.reduce") == 2 * 3  # per leaf: sum; max and scaled sum
+    # Per leaf: sum; max; scaled sum in chunks (chunk reduce, sum of chunks, tail).
+    assert text.count("stablehlo.reduce") == 2 * 5
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_sharded_small_leaves_are_not_bucketed():
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    sharded = [jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, "model"))) for _ in range(3)]
+    mesh = Mesh(
+        np.array(jax.devices()[:8]).reshape(2, 4),
+        ("data", "model"),
+        axis_types=(AxisType.Explicit,) * 2,
+    )
+    sharded = [
+        jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P(None, "model"))) for _ in range(3)
+    ]
     replicated = [jax.device_put(jnp.ones((8,)), NamedSharding(mesh, P())) for _ in range(3)]
     with jax.set_mesh(mesh):
         text = jax.jit(lambda g: jaxclip.global_norm(g)).lower(sharded + replicated).as_text()

@@ -9,15 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from reference import RECORDED
 
 import jaxclip
-from reference import RECORDED
 
 TENSORS = [np.asarray(t, np.float32) for t in RECORDED["inputs"]["tensors"]]
 MATRIX = np.asarray(RECORDED["inputs"]["matrix"], np.float32)
 
 
-@pytest.mark.parametrize("case", RECORDED["torch"]["clip_grad_norm_"], ids=lambda c: f"p{c['norm_type']}-c{c['max_norm']}")
+@pytest.mark.parametrize(
+    "case",
+    RECORDED["torch"]["clip_grad_norm_"],
+    ids=lambda c: f"p{c['norm_type']}-c{c['max_norm']}",
+)
 def test_torch_clip_grad_norm_(case):
     p = math.inf if case["norm_type"] == "inf" else case["norm_type"]
     clipped, total = jaxclip.clip_tree_by_global_norm(TENSORS, case["max_norm"], norm_type=p)
@@ -30,14 +34,20 @@ def test_torch_clip_grad_norm_(case):
     np.testing.assert_allclose(optax.tree.get(state, "global_norm"), case["total_norm"], rtol=2e-6)
 
 
-@pytest.mark.parametrize("case", RECORDED["torch"]["clip_grad_value_"], ids=lambda c: f"v{c['clip_value']}")
+@pytest.mark.parametrize(
+    "case", RECORDED["torch"]["clip_grad_value_"], ids=lambda c: f"v{c['clip_value']}"
+)
 def test_torch_clip_grad_value_(case):
     out = jaxclip.clip_tree_by_value(TENSORS, case["clip_value"])
     for ours, theirs in zip(out, case["grads"]):
         np.testing.assert_array_equal(ours, np.asarray(theirs, np.float32))
 
 
-@pytest.mark.parametrize("case", RECORDED["tensorflow"]["clip_by_norm"], ids=lambda c: f"axes{c['axes']}-c{c['clip_norm']}")
+@pytest.mark.parametrize(
+    "case",
+    RECORDED["tensorflow"]["clip_by_norm"],
+    ids=lambda c: f"axes{c['axes']}-c{c['clip_norm']}",
+)
 def test_tf_clip_by_norm(case):
     out, _ = jaxclip.clip_tree_by_norm(MATRIX, case["clip_norm"], axes=case["axes"])
     np.testing.assert_allclose(out, np.asarray(case["result"]), rtol=2e-6)
@@ -46,9 +56,15 @@ def test_tf_clip_by_norm(case):
     np.testing.assert_allclose(out, np.asarray(case["result"]), rtol=2e-6)
 
 
-@pytest.mark.parametrize("case", RECORDED["tensorflow"]["clip_by_global_norm"], ids=lambda c: f"c{c['clip_norm']}-u{c['use_norm']}")
+@pytest.mark.parametrize(
+    "case",
+    RECORDED["tensorflow"]["clip_by_global_norm"],
+    ids=lambda c: f"c{c['clip_norm']}-u{c['use_norm']}",
+)
 def test_tf_clip_by_global_norm(case):
-    out, gn = jaxclip.clip_tree_by_global_norm(TENSORS, case["clip_norm"], use_norm=case["use_norm"])
+    out, gn = jaxclip.clip_tree_by_global_norm(
+        TENSORS, case["clip_norm"], use_norm=case["use_norm"]
+    )
     np.testing.assert_allclose(gn, case["global_norm"], rtol=2e-6)
     for ours, theirs in zip(out, case["result"]):
         np.testing.assert_allclose(ours, np.asarray(theirs), rtol=2e-6)

@@ -12,11 +12,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import reference as ref
 from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxclip
-import reference as ref
 
 SHAPES = [(5,), (3, 4), (2, 1, 3)]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -25,12 +25,12 @@ F32_ULPS = 8 * 2.0**-24  # the norm's own error: a few float32 ulps
 RANGE = {jnp.float32: 30, jnp.bfloat16: 30, jnp.float16: 3}  # decimal exponents each can hold
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _global(p: float):
     return jax.jit(lambda g, c: jaxclip.clip_tree_by_global_norm(g, c, norm_type=p))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _each(p: float):
     return jax.jit(lambda g, c: jaxclip.clip_tree_by_norm(g, c, norm_type=p, axes=-1))
 
@@ -42,7 +42,8 @@ def trees(draw):
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)
     leaves = [
-        jnp.asarray(rng.normal(size=s) * 10.0**exp, dtype) for s in draw(st.permutations(SHAPES))[:2]
+        jnp.asarray(rng.normal(size=s) * 10.0**exp, dtype)
+        for s in draw(st.permutations(SHAPES))[:2]
     ]
     p = draw(st.sampled_from(PS))
     ratio = draw(st.sampled_from([0.01, 0.5, 0.999, 2.0]))  # threshold / norm
@@ -62,10 +63,12 @@ def test_global_norm_matches_float64(case):
     np.testing.assert_allclose(n, ref.norm(leaves, p), rtol=4e-6)
     expected, _ = ref.clip_global(leaves, c, p)
     eps = float(jnp.finfo(dtype).eps)
-    for o, e, x in zip(out, expected, leaves):
+    for o, e in zip(out, expected):
         assert o.dtype == dtype
         # One rounding into the leaf dtype (subnormal f16 results have absolute error).
-        np.testing.assert_allclose(ref.f64(o), e, rtol=eps + F32_ULPS, atol=float(jnp.finfo(dtype).smallest_subnormal))
+        np.testing.assert_allclose(
+            ref.f64(o), e, rtol=eps + F32_ULPS, atol=float(jnp.finfo(dtype).smallest_subnormal)
+        )
     # Clipped: the norm is at most the threshold, up to rounding.
     assert ref.norm(out, p) <= c * (1 + 4 * eps * (len(out) + 1))
     if ref.norm(leaves, p) <= c:  # below the threshold: bit-identical
@@ -83,7 +86,9 @@ def test_clip_by_norm_rows_match_float64_and_keep_direction(case):
     np.testing.assert_allclose(ref.f64(norms), np.squeeze(expected_norms, -1), rtol=4e-6)
     eps = float(jnp.finfo(dtype).eps)
     tiny = float(jnp.finfo(dtype).smallest_subnormal)
-    np.testing.assert_allclose(ref.f64(out), ref.clip_each(x, c, p, axes=(x.ndim - 1,)), rtol=eps + F32_ULPS, atol=tiny)
+    np.testing.assert_allclose(
+        ref.f64(out), ref.clip_each(x, c, p, axes=(x.ndim - 1,)), rtol=eps + F32_ULPS, atol=tiny
+    )
     # Direction kept: out = s * x with 0 < s <= 1 per row (compare signs and ratios).
     xo, xi = ref.f64(out), ref.f64(x)
     assert np.all(np.sign(xo) * np.sign(xi) >= 0)
@@ -100,11 +105,16 @@ def test_clipping_twice_equals_once(case):
     for a, b in zip(once, twice):
         # The second clip rescales by at most the norm's own error (a few f32 ulps).
         np.testing.assert_allclose(
-            ref.f64(b), ref.f64(a), rtol=4 * eps + F32_ULPS, atol=float(jnp.finfo(dtype).smallest_subnormal)
+            ref.f64(b),
+            ref.f64(a),
+            rtol=4 * eps + F32_ULPS,
+            atol=float(jnp.finfo(dtype).smallest_subnormal),
         )
 
 
-@given(st.lists(st.booleans(), min_size=3, max_size=3), st.sampled_from(["value", "norm", "global"]))
+@given(
+    st.lists(st.booleans(), min_size=3, max_size=3), st.sampled_from(["value", "norm", "global"])
+)
 def test_unselected_leaves_are_the_same_objects(mask, mode):
     grads = {"a": jnp.array([3.0, -4.0]), "b": jnp.array([[5.0, 12.0]]), "c": jnp.array(7.0)}
     need_clip = dict(zip("abc", mask))

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import reference as ref
 
 import jaxclip
-import reference as ref
 
 
 def test_huge_finite_values_are_clipped_not_passed_or_zeroed():
@@ -36,7 +36,9 @@ def test_huge_finite_values_are_clipped_not_passed_or_zeroed():
 
 
 def test_large_low_precision_sums_are_accurate():
-    np.testing.assert_allclose(jaxclip.global_norm([jnp.ones(30_000_000, jnp.float16)]), math.sqrt(3e7), rtol=1e-5)
+    np.testing.assert_allclose(
+        jaxclip.global_norm([jnp.ones(30_000_000, jnp.float16)]), math.sqrt(3e7), rtol=1e-5
+    )
     leaves = [jnp.ones(30_000, jnp.bfloat16) for _ in range(1000)]
     np.testing.assert_allclose(jaxclip.global_norm(leaves), math.sqrt(3e7), rtol=1e-5)
 
@@ -55,7 +57,9 @@ def test_nan_propagates_for_every_norm_type(p):
 def test_derivatives_through_the_scaled_path():
     x = jnp.array([1.0, 2.0, 3.0, 4.0])
     for s in (1e25, 1e-22):
-        np.testing.assert_allclose(jax.grad(jaxclip.global_norm)(x * s), x / math.sqrt(30), rtol=1e-6)
+        np.testing.assert_allclose(
+            jax.grad(jaxclip.global_norm)(x * s), x / math.sqrt(30), rtol=1e-6
+        )
     w = jnp.array([1.0, -2.0, 0.5, 3.0])
     grad = jax.grad(lambda g: jnp.sum(jaxclip.clip_tree_by_global_norm(g, 1.0)[0] * w))(x * 1e-25)
     np.testing.assert_array_equal(grad, w)  # nothing is clipped: the identity's derivative
@@ -81,7 +85,9 @@ def test_below_the_threshold_is_bit_for_bit_subnormals_included(fn):
         "value": lambda g: jaxclip.clip_tree_by_value(g, 1.0),
     }[fn]
     for out in (f(x), jax.jit(f)(x)):
-        np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(x).view(np.uint32))
+        np.testing.assert_array_equal(
+            np.asarray(out).view(np.uint32), np.asarray(x).view(np.uint32)
+        )
 
 
 def test_traced_threshold_at_or_below_zero_never_flips_a_sign():
@@ -90,9 +96,35 @@ def test_traced_threshold_at_or_below_zero_never_flips_a_sign():
     for c in (0.0, -1.0):
         np.testing.assert_array_equal(sched(g, c), jnp.zeros(2))  # "updates of norm 0"
     # A schedule that decays through zero: 1.0 at step 0, -1.0 from step 1 on.
-    tx = optax.inject_hyperparams(jaxclip.clip_by_norm)(clip_norm=optax.linear_schedule(1.0, -1.0, 1))
+    tx = optax.inject_hyperparams(jaxclip.clip_by_norm)(
+        clip_norm=optax.linear_schedule(1.0, -1.0, 1)
+    )
     update = jax.jit(tx.update)
     out, state = update(g, tx.init(g))
     np.testing.assert_allclose(out, g / 5, rtol=1e-6)
     out, _ = update(g, state)
     np.testing.assert_array_equal(out, jnp.zeros(2))
+
+
+def test_sums_over_leading_axes_are_accurate():
+    # AGC's units of an (in, out) kernel and tf.clip_by_norm(axes=0) reduce over axis 0;
+    # XLA's fused reduce adds sequentially (1.4e-4 off here before chunking).
+    f = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=0)[1])
+    for dtype, value in [(jnp.float16, 0.1), (jnp.float32, 1e20)]:
+        x = jnp.full((32768, 4), value, dtype)
+        want = math.sqrt(32768) * float(np.asarray(x[0, 0], np.float64))
+        np.testing.assert_allclose(ref.f64(f(x)), want, rtol=1e-5)
+
+
+def test_fractional_norm_type_on_a_large_float16_leaf():
+    x = jnp.full((1 << 25,), 0.1, jnp.float16)
+    want = ((1 << 25) * math.sqrt(float(np.asarray(x[0], np.float64)))) ** 2
+    np.testing.assert_allclose(jax.jit(lambda t: jaxclip.global_norm([t], 0.5))(x), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("p", [1.5, 0.5])
+def test_no_widened_copy_of_bfloat16_for_fractional_norm_types(p):
+    g = [jnp.ones((1024, 1024), jnp.bfloat16)]
+    f = jax.jit(lambda t: jaxclip.clip_tree_by_global_norm(t, 1.0, norm_type=p))
+    temp = f.lower(g).compile().memory_analysis().temp_size_in_bytes
+    assert temp <= 0.02 * g[0].nbytes, temp  # an f32 copy would be 200%

@@ -48,7 +48,9 @@ CLIP_NORM_USERS = [
 @pytest.mark.parametrize("fn_name, make", CLIP_NORM_USERS, ids=_ids(CLIP_NORM_USERS))
 @pytest.mark.parametrize("case, value, match", BAD_TYPES, ids=_ids(BAD_TYPES))
 def test_clip_norm_of_wrong_type_is_a_clear_error(fn_name, make, case, value, match):
-    with pytest.raises(TypeError, match=rf"jaxclip\.{fn_name}: {match}.*pass a real number > 0") as e:
+    with pytest.raises(
+        TypeError, match=rf"jaxclip\.{fn_name}: {match}.*pass a real number > 0"
+    ) as e:
         make(value)
     assert isinstance(e.value, ValueError)  # caught as either
 
@@ -58,13 +60,21 @@ OTHER_BAD_TYPES = [
     ("max-None", lambda: jaxclip.clip_by_value(None), r"max=None is a NoneType"),
     ("min-complex", lambda: jaxclip.clip_by_value(1.0, 1j), r"min=1j is complex"),
     ("max-bool", lambda: jaxclip.clip_tree_by_value(jnp.ones(2), True), r"max=True is a bool"),
-    ("threshold-str", lambda: jaxclip.skip_large_updates(optax.sgd(1.0), "5"), r"threshold='5' is a str"),
+    (
+        "threshold-str",
+        lambda: jaxclip.skip_large_updates(optax.sgd(1.0), "5"),
+        r"threshold='5' is a str",
+    ),
     ("clipping-None", lambda: jaxclip.adaptive_clip(None), r"clipping=None is a NoneType"),
     ("eps-complex", lambda: jaxclip.zclip(eps=1j), r"eps=1j is complex"),
     ("alpha-str", lambda: jaxclip.zclip(alpha="0.9"), r"alpha='0.9' is a str"),
     ("percentile-bool", lambda: jaxclip.auto_clip(True), r"percentile=True is a bool"),
     ("max_norm-str", lambda: jaxclip.zclip(max_norm="1"), r"max_norm='1' is a str"),
-    ("group-not-callable", lambda: jaxclip.clip_by_global_norm(1.0, group="enc"), r"group='enc' is a str, not a callable"),
+    (
+        "group-not-callable",
+        lambda: jaxclip.clip_by_global_norm(1.0, group="enc"),
+        r"group='enc' is a str, not a callable",
+    ),
 ]
 
 
@@ -85,7 +95,9 @@ def test_real_thresholds_are_accepted(value):
     jaxclip.skip_large_updates(optax.sgd(1.0), value)
     jaxclip.zclip(z_thresh=value, max_norm=value)
     out = jaxclip.clip_tree_by_value({"w": jnp.array([-3.0, 0.5])}, value)
-    np.testing.assert_allclose(out["w"], [max(-3.0, -float(value)), min(0.5, float(value))], rtol=1e-2)
+    np.testing.assert_allclose(
+        out["w"], [max(-3.0, -float(value)), min(0.5, float(value))], rtol=1e-2
+    )
 
 
 def test_traced_threshold_of_wrong_dtype_is_caught_and_real_one_is_not():
@@ -102,16 +114,52 @@ def test_traced_threshold_of_wrong_dtype_is_caught_and_real_one_is_not():
 # Item 10: each parameter's own reason in its error.
 
 OWN_REASONS = [
-    ("zclip-eps-negative", lambda: jaxclip.zclip(eps=-1), r"zclip: eps=-1 must be finite and >= 0 \(it is added to the standard deviation"),
+    (
+        "zclip-eps-negative",
+        lambda: jaxclip.zclip(eps=-1),
+        r"zclip: eps=-1 must be finite and >= 0 \(it is added to the standard deviation",
+    ),
     ("zclip-eps-nan", lambda: jaxclip.zclip(eps=NAN), r"eps=nan must be finite and >= 0"),
-    ("zclip-z_thresh", lambda: jaxclip.zclip(z_thresh=0.0), r"zclip: z_thresh=0.0 must be > 0 \(the z-score above which"),
-    ("zclip-max_norm", lambda: jaxclip.zclip(max_norm=-1.0), r"max_norm=-1.0 must be > 0 .*pass max_norm=None"),
-    ("zclip-alpha", lambda: jaxclip.zclip(alpha=1.0), r"alpha=1.0 must be in \[0, 1\) \(the weight of the old"),
-    ("skip-threshold", lambda: jaxclip.skip_large_updates(optax.sgd(1.0), 0.0), r"threshold=0.0 must be > 0 \(the largest global norm of a step that is applied"),
-    ("agc-eps", lambda: jaxclip.adaptive_clip(0.1, eps=0.0), r"eps=0.0 must be finite and > 0 \(the smallest parameter norm"),
-    ("agc-clipping", lambda: jaxclip.adaptive_clip(-0.1), r"clipping=-0.1 must be > 0 \(the largest ratio"),
-    ("auto-percentile", lambda: jaxclip.auto_clip(0.0), r"percentile=0.0 must be in \(0, 100\] \(the percentile of the past"),
-    ("clip_norm-shape", lambda: jaxclip.clip_by_norm(jnp.ones(2)), r"clip_norm must be a scalar; got an array of shape \(2,\)"),
+    (
+        "zclip-z_thresh",
+        lambda: jaxclip.zclip(z_thresh=0.0),
+        r"zclip: z_thresh=0.0 must be > 0 \(the z-score above which",
+    ),
+    (
+        "zclip-max_norm",
+        lambda: jaxclip.zclip(max_norm=-1.0),
+        r"max_norm=-1.0 must be > 0 .*pass max_norm=None",
+    ),
+    (
+        "zclip-alpha",
+        lambda: jaxclip.zclip(alpha=1.0),
+        r"alpha=1.0 must be in \[0, 1\) \(the weight of the old",
+    ),
+    (
+        "skip-threshold",
+        lambda: jaxclip.skip_large_updates(optax.sgd(1.0), 0.0),
+        r"threshold=0.0 must be > 0 \(the largest global norm of a step that is applied",
+    ),
+    (
+        "agc-eps",
+        lambda: jaxclip.adaptive_clip(0.1, eps=0.0),
+        r"eps=0.0 must be finite and > 0 \(the smallest parameter norm",
+    ),
+    (
+        "agc-clipping",
+        lambda: jaxclip.adaptive_clip(-0.1),
+        r"clipping=-0.1 must be > 0 \(the largest ratio",
+    ),
+    (
+        "auto-percentile",
+        lambda: jaxclip.auto_clip(0.0),
+        r"percentile=0.0 must be in \(0, 100\] \(the percentile of the past",
+    ),
+    (
+        "clip_norm-shape",
+        lambda: jaxclip.clip_by_norm(jnp.ones(2)),
+        r"clip_norm must be a scalar; got an array of shape \(2,\)",
+    ),
 ]
 
 
@@ -130,13 +178,21 @@ def test_zclip_eps_zero_is_allowed():
 # ----------------------------------------------------------------------------------------
 # Item 10: axes.
 
-BAD_AXES = [("float", 1.0), ("str", "01"), ("bool", True), ("float-in-list", [0, 1.5]), ("nested", [[0]])]
+BAD_AXES = [
+    ("float", 1.0),
+    ("str", "01"),
+    ("bool", True),
+    ("float-in-list", [0, 1.5]),
+    ("nested", [[0]]),
+]
 
 
 @pytest.mark.parametrize("case, axes", BAD_AXES, ids=_ids(BAD_AXES))
 @pytest.mark.parametrize("fn", ["clip_by_norm", "adaptive_clip"])
 def test_bad_axes_are_a_clear_error(fn, case, axes):
-    with pytest.raises(ValueError, match=rf"jaxclip\.{fn}: axes=.* must be an int or a sequence of ints"):
+    with pytest.raises(
+        ValueError, match=rf"jaxclip\.{fn}: axes=.* must be an int or a sequence of ints"
+    ):
         getattr(jaxclip, fn)(1.0, axes=axes)
 
 
@@ -199,13 +255,18 @@ def test_bool_at_an_empty_subtree_is_accepted(grads_empty, mask_entry):
 
 
 @pytest.mark.parametrize(
-    "pshape, gshape", [((1,), (4,)), ((3, 2), (2, 3)), ((), (2,))], ids=["broadcastable", "transposed", "scalar"]
+    "pshape, gshape",
+    [((1,), (4,)), ((3, 2), (2, 3)), ((), (2,))],
+    ids=["broadcastable", "transposed", "scalar"],
 )
 def test_adaptive_clip_param_shape_mismatch_names_the_path(pshape, gshape):
     params = {"enc": {"w": jnp.ones(pshape)}, "b": jnp.ones(2)}
     grads = {"enc": {"w": jnp.ones(gshape)}, "b": jnp.ones(2)}
     tx = jaxclip.adaptive_clip(0.1)
-    with pytest.raises(ValueError, match=r"adaptive_clip: the parameter at 'enc/w' has shape .* but its gradient has shape"):
+    with pytest.raises(
+        ValueError,
+        match=r"adaptive_clip: the parameter at 'enc/w' has shape .* but its gradient has shape",
+    ):
         tx.update(grads, tx.init(params), params)
 
 
@@ -219,7 +280,9 @@ BY_DTYPE = lambda path, leaf: leaf.dtype == jnp.float32  # noqa: E731
     "make",
     [
         lambda: jaxclip.clip_by_norm(1.0, need_clip=BY_DTYPE),
-        lambda: jaxclip.clip_by_global_norm(1.0, need_clip=BY_DTYPE, group=lambda path, leaf: path[:3]),
+        lambda: jaxclip.clip_by_global_norm(
+            1.0, need_clip=BY_DTYPE, group=lambda path, leaf: path[:3]
+        ),
     ],
     ids=["clip_by_norm", "clip_by_global_norm-group"],
 )
@@ -227,7 +290,9 @@ def test_need_clip_selecting_by_dtype_is_a_clear_error(make):
     params = {"enc": jnp.ones(2, jnp.float32), "dec": jnp.ones(3, jnp.float32)}
     grads = {"enc": jnp.ones(2, jnp.bfloat16), "dec": jnp.ones(3, jnp.float32)}
     tx = make()
-    with pytest.raises(ValueError, match=r"'enc'.*init.*update.*select by path or shape, not by dtype"):
+    with pytest.raises(
+        ValueError, match=r"'enc'.*init.*update.*select by path or shape, not by dtype"
+    ):
         jax.jit(tx.update)(grads, tx.init(params))
 
 
@@ -235,7 +300,10 @@ def test_need_clip_selecting_by_path_keeps_states_equal():
     params = {"enc": jnp.ones(2, jnp.float32), "dec": jnp.ones(3, jnp.float32)}
     grads = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
     by_path = lambda path, leaf: path.startswith("enc")  # noqa: E731
-    for tx in (jaxclip.clip_by_norm(1.0, need_clip=by_path), jaxclip.clip_by_global_norm(1.0, need_clip=by_path, group=lambda p, x: p)):
+    for tx in (
+        jaxclip.clip_by_norm(1.0, need_clip=by_path),
+        jaxclip.clip_by_global_norm(1.0, need_clip=by_path, group=lambda p, x: p),
+    ):
         s0 = tx.init(params)
         s1 = jax.eval_shape(tx.update, grads, s0)[1]
         chex.assert_trees_all_equal_structs(s0, s1)
@@ -262,7 +330,9 @@ def _clip_ref(x, hi, lo):
     return np.clip(np.asarray(x, np.float64), lo, hi)
 
 
-_clip_value_jit = jax.jit(lambda g, hi, lo: jaxclip.clip_tree_by_value(g, hi, lo, need_clip={"w": True, "b": False}))
+_clip_value_jit = jax.jit(
+    lambda g, hi, lo: jaxclip.clip_tree_by_value(g, hi, lo, need_clip={"w": True, "b": False})
+)
 
 
 @pytest.mark.parametrize("case, hi, lo", ARRAY_BOUNDS, ids=_ids(ARRAY_BOUNDS))
@@ -278,7 +348,9 @@ def test_array_bounds(case, hi, lo):
 
 def test_traced_array_bounds_are_not_checked():
     hi, lo = jnp.array([1.0, 0.4, 3.0]), jnp.array([-1.0, 0.0, -3.0])
-    np.testing.assert_allclose(_clip_value_jit(G, hi, lo)["w"], _clip_ref(G["w"], hi, lo), rtol=1e-6)
+    np.testing.assert_allclose(
+        _clip_value_jit(G, hi, lo)["w"], _clip_ref(G["w"], hi, lo), rtol=1e-6
+    )
     _clip_value_jit(G, lo, hi)  # swapped, but traced: no check (and no error)
 
 
@@ -287,9 +359,17 @@ def test_traced_array_bounds_are_not_checked():
     [
         (jnp.array([1.0, 0.0, 3.0]), None, r"max must be > 0 everywhere \(first at index \(1,\)\)"),
         (np.array([1.0, NAN]), None, r"max must be > 0 everywhere \(first at index \(1,\)\)"),
-        (jnp.array([1.0, 0.4, 3.0]), jnp.array([-1.0, 0.5, -3.0]), r"min=.* > max=.* \(first at index \(1,\)\); min must be <= max elementwise"),
+        (
+            jnp.array([1.0, 0.4, 3.0]),
+            jnp.array([-1.0, 0.5, -3.0]),
+            r"min=.* > max=.* \(first at index \(1,\)\); min must be <= max elementwise",
+        ),
         ([[1.0], [2.0]], [[0.0, 3.0]], r"first at index \(0, 1\)"),
-        (jnp.ones(3), jnp.zeros(2), r"min of shape \(2,\) and max of shape \(3,\) do not broadcast"),
+        (
+            jnp.ones(3),
+            jnp.zeros(2),
+            r"min of shape \(2,\) and max of shape \(3,\) do not broadcast",
+        ),
     ],
     ids=["max-zero", "max-nan", "min-above-max", "broadcast-2d", "shapes"],
 )
@@ -302,11 +382,17 @@ def test_array_bounds_checked_elementwise(hi, lo, match):
 
 @pytest.mark.parametrize(
     "hi, path, shape",
-    [(jnp.ones(2), "b", r"\(2,\)"), (jnp.ones((4, 3)), "b", r"\(4, 3\)"), (jnp.ones((2, 1)), "b", r"\(2, 1\)")],
+    [
+        (jnp.ones(2), "b", r"\(2,\)"),
+        (jnp.ones((4, 3)), "b", r"\(4, 3\)"),
+        (jnp.ones((2, 1)), "b", r"\(2, 1\)"),
+    ],
     ids=["no-broadcast", "enlarges-leaf", "enlarges-vector"],
 )
 def test_bounds_that_do_not_fit_a_leaf_name_it(hi, path, shape):
-    with pytest.raises(ValueError, match=rf"max of shape {shape} does not broadcast to the leaf at '{path}'"):
+    with pytest.raises(
+        ValueError, match=rf"max of shape {shape} does not broadcast to the leaf at '{path}'"
+    ):
         jaxclip.clip_tree_by_value(G, hi, need_clip={"w": False, "b": True})
     tx = jaxclip.clip_by_value(hi, need_clip={"w": False, "b": True})
     with pytest.raises(ValueError, match=rf"leaf at '{path}'"):
@@ -358,15 +444,26 @@ _first = lambda path, leaf: path.split("/")[0]  # noqa: E731
 
 TRANSFORMS = [
     ("clip_by_value", lambda: jaxclip.clip_by_value(1.0)),
-    ("clip_by_norm", lambda: jaxclip.clip_by_norm(1.0, axes=0, need_clip={"enc": {"w": True, "b": False}, "dec": True})),
+    (
+        "clip_by_norm",
+        lambda: jaxclip.clip_by_norm(
+            1.0, axes=0, need_clip={"enc": {"w": True, "b": False}, "dec": True}
+        ),
+    ),
     ("clip_by_global_norm-group", lambda: jaxclip.clip_by_global_norm(1.0, group=_first)),
     ("adaptive_clip", lambda: jaxclip.adaptive_clip(0.1)),
     ("auto_clip", lambda: jaxclip.auto_clip(10.0, window=4)),
     ("zclip", lambda: jaxclip.zclip(warmup_steps=1, max_norm=1.0)),
     ("skip_large_updates", lambda: jaxclip.skip_large_updates(optax.adamw(1e-3), 10.0)),
-    ("chain-clip_by_global_norm-adamw", lambda: optax.chain(jaxclip.clip_by_global_norm(1.0), optax.adamw(1e-3))),
+    (
+        "chain-clip_by_global_norm-adamw",
+        lambda: optax.chain(jaxclip.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+    ),
     ("chain-zclip-adamw", lambda: optax.chain(jaxclip.zclip(warmup_steps=2), optax.adamw(1e-3))),
-    ("inject_hyperparams-auto_clip", lambda: optax.inject_hyperparams(jaxclip.auto_clip, static_args=("window",))(window=3)),
+    (
+        "inject_hyperparams-auto_clip",
+        lambda: optax.inject_hyperparams(jaxclip.auto_clip, static_args=("window",))(window=3),
+    ),
 ]
 
 

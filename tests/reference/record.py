@@ -45,7 +45,11 @@ def _lst(x: Any) -> Any:
 def record_torch(inp: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    out: dict[str, Any] = {"version": torch.__version__, "clip_grad_norm_": [], "clip_grad_value_": []}
+    out: dict[str, Any] = {
+        "version": torch.__version__,
+        "clip_grad_norm_": [],
+        "clip_grad_value_": [],
+    }
     for norm_type in [1.0, 2.0, 3.0, 0.5, math.inf]:
         for max_norm in [0.5, 1e3]:
             params = [torch.nn.Parameter(torch.zeros(t.shape)) for t in inp["tensors"]]
@@ -115,7 +119,9 @@ def record_paddle() -> dict[str, Any]:
             loss = 100.0 * paddle.mean(linear(paddle.to_tensor(x)) ** 2)
             loss.backward()
             gw, gb = linear.weight.grad.numpy().copy(), linear.bias.grad.numpy().copy()
-            sgd = paddle.optimizer.SGD(learning_rate=0.1, parameters=linear.parameters(), grad_clip=make())
+            sgd = paddle.optimizer.SGD(
+                learning_rate=0.1, parameters=linear.parameters(), grad_clip=make()
+            )
             sgd.step()
             out["steps"].append(
                 {
