@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 # Compiles dominate; examples reuse jitted functions over fixed shape sets.
 settings.register_profile(
     "jaxclip",
-    max_examples=15,
+    max_examples=10,
     derandomize=os.environ.get("CI", "").lower() == "true",  # CI: the same examples every run
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -64,7 +64,7 @@ def test_sharded_small_leaves_are_not_bucketed():
 @pytest.mark.parametrize("mode", ["global", "norm"])
 def test_temporaries_bounded_with_buckets(mode, dtype):
     rng = np.random.default_rng(0)
-    small = [jnp.asarray(rng.normal(size=(300 + 3 * i,)), dtype) for i in range(64)]
+    small = [jnp.asarray(rng.normal(size=(300 + 3 * i,)), dtype) for i in range(24)]
     large = [jnp.asarray(rng.normal(size=(256, 512)), dtype) for _ in range(2)]
     tree = small + large
     f = {
