@@ -724,14 +724,13 @@ def _global_norm_rule(
 
 class Scale(NamedTuple):
     """The clipping factor of a norm: ``x`` is kept as it is where ``keep``, else
-    multiplied by ``f0 * f1 * f2`` in turn: ``f0`` carries the mantissa of ``c / n`` and
-    as much of its exponent as stays normal, ``f1`` and ``f2`` (powers of two, 1 in the
-    common case) the rest, so that no factor is ever subnormal."""
+    multiplied by ``f0`` then ``f1``: ``f0`` carries the mantissa of ``c / n`` and as much
+    of its exponent as stays normal, ``f1`` (a power of two, 1 unless ``c / n`` is below
+    the normal range) the rest, so that no factor is ever subnormal."""
 
     keep: Array
     f0: Array
     f1: Array
-    f2: Array
 
 
 def clip_scale(norm: Norm | Array, clip_norm: Any) -> Scale:
@@ -755,9 +754,8 @@ def clip_scale(norm: Norm | Array, clip_norm: Any) -> Scale:
     shift = ce - norm.exp - k
     info = np.finfo(acc)
     s0 = jnp.clip(shift, info.minexp + 1, info.maxexp - 2)  # factor * 2**s0 is normal
-    rest = shift - s0
-    s1 = jnp.ceil(rest / 2)
-    return Scale(keep, factor * _pow2(s0, acc), _pow2(s1, acc), _pow2(rest - s1, acc))
+    # c / n >= tiny / max, so the rest is >= minexp - 2 in practice: one more factor.
+    return Scale(keep, factor * _pow2(s0, acc), _pow2(shift - s0, acc))
 
 
 def apply_scale(x: Array, scale: Scale) -> Array:
@@ -765,8 +763,8 @@ def apply_scale(x: Array, scale: Scale) -> Array:
     ``x * c / n`` with one rounding into ``x.dtype``."""
     acc = acc_dtype(x.dtype)
     xs = x if jnp.iscomplexobj(x) else x.astype(acc)
-    f0, f1, f2 = (f.astype(acc) for f in scale[1:])
-    return jnp.where(scale.keep, x, (xs * f0 * f1 * f2).astype(x.dtype))
+    f0, f1 = scale.f0.astype(acc), scale.f1.astype(acc)
+    return jnp.where(scale.keep, x, (xs * f0 * f1).astype(x.dtype))
 
 
 @jax.jit
