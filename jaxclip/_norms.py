@@ -288,6 +288,16 @@ def _max_abs(x: Array, axes: Axes, acc: np.dtype, native: bool) -> Array:
     return _reduce(x, lambda v, _: _abs(v, acc), axes, "max", native)
 
 
+def _inf_norm(x: Array, axes: Axes, acc: np.dtype, native: bool) -> Array:
+    """``max |x|`` for ``p=inf``, NaN where ``x`` holds one: XLA:CPU's cross-device max
+    drops NaN, so a sharded ``x`` carries it by an ``any`` (on the rare path, NaN reaches
+    the norm through the scaled sum instead)."""
+    m = _max_abs(x, axes, acc, native)
+    if _one_device(x):
+        return m
+    return jnp.where(jnp.any(jnp.isnan(x), axis=axes, keepdims=True), jnp.nan, m)
+
+
 def _power_sum(x: Array, p: float, axes: Axes, native: bool) -> Array:
     """``sum |x|^p`` over ``axes`` (keepdims), in ``x``'s accumulation dtype."""
     acc = acc_dtype(x.dtype)
@@ -518,9 +528,7 @@ def _unit_norms_impl(
     if p == math.inf:
         out = []
         for x, a, acc, nat in zip(units, axes, accs, natives):
-            m = _max_abs(x, a, acc, nat)
-            if not _one_device(x):  # XLA:CPU's cross-device max drops NaN
-                m = jnp.where(jnp.any(jnp.isnan(x), axis=a, keepdims=True), jnp.nan, m)
+            m = _inf_norm(x, a, acc, nat)
             out.append(_special(m, _from_root(m, jnp.zeros_like(m))))
         return out
     sums = [_power_sum(x, p, a, nat) for x, a, nat in zip(units, axes, natives)]
@@ -657,15 +665,10 @@ def _global_norm_impl(
     if p == math.inf:
         m = jnp.zeros((), acc)
         for u, nat in zip(units, natives):
-            m = jnp.maximum(m, _max_abs(u, None, acc_dtype(u.dtype), nat).reshape(()).astype(acc))
-        m = _pmax(m, axis_name)
-        # XLA:CPU's cross-device max drops NaN: carry it by an "any" where devices meet.
-        if axis_name not in (None, ()) or not all(_one_device(u) for u in units):
-            nan = jnp.zeros((), bool)
-            for u in units:
-                nan = nan | jnp.any(jnp.isnan(u))
-            nan = _pmax(nan.astype(jnp.int32), axis_name) > 0
-            m = jnp.where(nan, jnp.nan, m)
+            m = jnp.maximum(m, _inf_norm(u, None, acc_dtype(u.dtype), nat).reshape(()).astype(acc))
+        if axis_name not in (None, ()):  # pmax drops NaN too: carry it as an int
+            nan = _pmax(jnp.isnan(m).astype(jnp.int32), axis_name) > 0
+            m = jnp.where(nan, jnp.nan, _pmax(m, axis_name))
         return _special(m, _from_root(m, jnp.zeros_like(m)))
     s = jnp.zeros((), acc)
     for u, nat in zip(units, natives):
