@@ -540,10 +540,9 @@ def _unit_norms_impl(
 
     def scaled() -> list[Norm]:
         out = []
-        for x, a, b, s, ok in zip(units, axes, bucketed, sums, oks):
+        for x, a, b, f, ok in zip(units, axes, bucketed, fast(), oks):
             m, e, t = _scaled_parts(x, p, a, _native(x, b, rare=True))
             n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0)))
-            f = _root_norm(s, p)
             out.append(Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp)))
         return out
 
