@@ -3,10 +3,12 @@
 import importlib.util
 
 import numpy as np
+import pytest
 
 from jaxclip import demo
 
 
+@pytest.mark.slow
 def test_demo_quick(tmp_path, capsys):
     has_mpl = importlib.util.find_spec("matplotlib") is not None
     out = tmp_path / "demo.png"

@@ -18,6 +18,7 @@ def test_there_are_three_notebooks():
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path):
     nb = nbformat.read(path, as_version=4)
