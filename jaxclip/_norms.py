@@ -53,6 +53,7 @@ Axes = tuple[int, ...] | None
 Elem = Callable[[Array, Any], Array]
 #: The mapped axes over which a partial norm is combined (see :func:`combine_axes`).
 Combine = tuple[str, ...]
+Shape = tuple[int, ...]
 
 #: Leaves at most this many bytes may be copied into a bucket before a global reduction.
 BUCKET_MAX_BYTES = 64 * 1024
@@ -186,9 +187,10 @@ def root(s: Array, p: float) -> Array:
 
 
 def _exact_range(s: Array, acc: np.dtype) -> Array:
-    """Whether a power sum accumulated in ``acc`` is exact as it stands (no overflow, no
-    lost underflow): elements whose power underflowed lose at most ``n * tiny`` in all,
-    far below an ulp of any sum above ``tiny * 2**64`` for a realistic ``n``."""
+    """Whether a power sum of :func:`_power_sum` accumulated in ``acc`` is exact as it
+    stands (no overflow, no lost underflow): elements whose power underflowed lose at most
+    ``n * tiny`` in all, far below an ulp of any sum above ``tiny * 2**64`` for a
+    realistic ``n``."""
     lo = float(np.finfo(acc).tiny) * 2.0**64
     return (s >= lo) & (s < jnp.inf)
 
@@ -652,6 +654,42 @@ def _unit_norms_impl(
 ) -> list[Norm]:
     """Norms over ``axes`` (keepdims) of each array, overflow-safe, with one shared cond;
     partial norms combined over each array's mapped axes (per-slice vectors, no data)."""
+    return _batchable_unit_norms(p, axes, bucketed, combines)(units)
+
+
+@functools.cache
+def _batchable_unit_norms(
+    p: float, axes: tuple[Axes, ...], bucketed: tuple[bool, ...], combines: tuple[Combine, ...]
+) -> Callable[[tuple[Array, ...]], list[Norm]]:
+    """Per-slice norms with their own ``vmap`` rule: the batch axis is one more kept
+    axis, so the cond stays unbatched (a batched cond would run both branches)."""
+
+    @jax.custom_batching.custom_vmap
+    def norms(units: tuple[Array, ...]) -> list[Norm]:
+        return _unit_norms_body(units, p, axes, bucketed, combines)
+
+    @norms.def_vmap
+    def rule(size: int, in_batched: Any, units: tuple[Array, ...]) -> tuple[list[Norm], Any]:
+        units = tuple(
+            u if b else jnp.broadcast_to(u, (size, *u.shape)) for u, b in zip(units, in_batched[0])
+        )
+        shifted = tuple(
+            tuple(range(1, u.ndim)) if a is None else tuple(d + 1 for d in a)
+            for u, a in zip(units, axes)
+        )
+        out = _unit_norms_body(units, p, shifted, bucketed, combines)
+        return out, [Norm._make((True, True)) for _ in out]
+
+    return norms
+
+
+def _unit_norms_body(
+    units: tuple[Array, ...],
+    p: float,
+    axes: tuple[Axes, ...],
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+) -> list[Norm]:
     natives = [_native(x, b, p=p) for x, b in zip(units, bucketed)]
     accs = [acc_dtype(x.dtype) for x in units]
     if p == math.inf:
@@ -768,25 +806,30 @@ def _units(
     return units, [False] * (len(units) - len(buckets)) + [True] * len(buckets), where
 
 
-def _sum_over(values: Sequence[Array], combines: Sequence[Combine], acc: Any) -> Array:
-    """The sum of scalar partial sums, each group of equal mapped axes ``psum``-ed once."""
+def _sum_over(
+    values: Sequence[Array], combines: Sequence[Combine], acc: Any, shape: Shape = ()
+) -> Array:
+    """The sum of partial sums (each of ``shape``), each group of equal mapped axes
+    ``psum``-ed once."""
     groups: dict[Combine, Array] = {}
     for v, c in zip(values, combines):
-        v = v.reshape(()).astype(acc)
+        v = v.reshape(shape).astype(acc)
         groups[c] = groups[c] + v if c in groups else v
-    total = jnp.zeros((), acc)
+    total = jnp.zeros(shape, acc)
     for c, v in groups.items():
         total = total + _psum(v, c)
     return total
 
 
-def _max_over(values: Sequence[Array], combines: Sequence[Combine], acc: Any) -> Array:
-    """The max of scalar partial maxima (NaN kept), each group ``pmax``-ed once."""
+def _max_over(
+    values: Sequence[Array], combines: Sequence[Combine], acc: Any, shape: Shape = ()
+) -> Array:
+    """The max of partial maxima (NaN kept), each group ``pmax``-ed once."""
     groups: dict[Combine, Array] = {}
     for v, c in zip(values, combines):
-        v = v.reshape(()).astype(acc)
+        v = v.reshape(shape).astype(acc)
         groups[c] = jnp.maximum(groups[c], v) if c in groups else v
-    total = jnp.zeros((), acc)
+    total = jnp.zeros(shape, acc)
     for c, v in groups.items():
         total = jnp.maximum(total, _pmax(v, c))
     return total
@@ -832,14 +875,53 @@ def global_norm(
 def _global_norm_impl(
     units: tuple[Array, ...], p: float, bucketed: tuple[bool, ...], combines: tuple[Combine, ...]
 ) -> Norm:
+    return _batchable_global_norm(p, bucketed, combines)(units)
+
+
+@functools.cache
+def _batchable_global_norm(
+    p: float, bucketed: tuple[bool, ...], combines: tuple[Combine, ...]
+) -> Callable[[tuple[Array, ...]], Norm]:
+    """The global norm with its own ``vmap`` rule: a batched ``lax.cond`` would run both
+    branches; the rule computes every example's norm with one unbatched cond (the scaled
+    path only where some example needs it)."""
+
+    @jax.custom_batching.custom_vmap
+    def norm(units: tuple[Array, ...]) -> Norm:
+        return _global_norm_body(units, p, bucketed, combines, 0)
+
+    @norm.def_vmap
+    def rule(size: int, in_batched: Any, units: tuple[Array, ...]) -> tuple[Norm, Any]:
+        units = tuple(
+            u if b else jnp.broadcast_to(u, (size, *u.shape)) for u, b in zip(units, in_batched[0])
+        )
+        return _global_norm_body(units, p, bucketed, combines, 1), Norm._make((True, True))
+
+    return norm
+
+
+def _global_norm_body(
+    units: tuple[Array, ...],
+    p: float,
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+    lead: int,
+) -> Norm:
+    """The norm over all of ``units`` but their ``lead`` leading (batch) axes."""
     acc = result_dtype(units)
+    shape = units[0].shape[:lead]
+    axes = [tuple(range(lead, u.ndim)) if lead else None for u in units]
+
+    def keep(v: Array, u: Array) -> Array:  # a per-example value, to broadcast against u
+        return v.reshape(shape + (1,) * (u.ndim - lead))
+
     natives = [_native(u, b, p=p) for u, b in zip(units, bucketed)]
     if p == math.inf:
-        ms = [_inf_norm(u, None, acc_dtype(u.dtype), nat) for u, nat in zip(units, natives)]
-        m = _max_over(ms, combines, acc)
+        ms = [_inf_norm(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, natives)]
+        m = _max_over(ms, combines, acc, shape)
         return _special(m, _from_root(m, jnp.zeros_like(m)))
-    sums = [_power_sum(u, p, None, nat) for u, nat in zip(units, natives)]
-    s = _sum_over(sums, combines, acc)
+    sums = [_power_sum(u, p, a, nat) for u, a, nat in zip(units, axes, natives)]
+    s = _sum_over(sums, combines, acc, shape)
     # The narrowest accumulation dtype decides: its underflow is what may be lost.
     narrow = min((acc_dtype(u.dtype) for u in units), key=lambda d: d.itemsize)
 
@@ -847,8 +929,8 @@ def _global_norm_impl(
         # Native reductions for 16-bit units (see _native); one scale 2**-e for all, from
         # the largest magnitude m = f * 2**e, applied as two normal factors per dtype.
         rare = [_native(u, b, rare=True) for u, b in zip(units, bucketed)]
-        ms = [_max_abs(u, None, acc_dtype(u.dtype), nat) for u, nat in zip(units, rare)]
-        m = _max_over(ms, combines, acc)
+        ms = [_max_abs(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, rare)]
+        m = _max_over(ms, combines, acc, shape)
         e = frexp(m)[1]
         half = jnp.floor(-e / 2)
         # 2**-e per accumulation dtype (clamped: parts out of its range are negligible).
@@ -859,12 +941,13 @@ def _global_norm_impl(
         # materialises their broadcast to the leaves' shape.
         again, per_unit = _barrier(units, factors)
         ts = []
-        for u, nat, fs in zip(again, rare, per_unit):
+        for u, a, nat, fs in zip(again, axes, rare, per_unit):
             ua = acc_dtype(u.dtype)
-            ts.append(_reduce(u, _scaled_elem(p, ua), None, "sum", nat, fs[ua]))
-        return _special(m, _root_norm(_sum_over(ts, combines, acc), p, e))
+            f = tuple(keep(v, u) for v in fs[ua])
+            ts.append(_reduce(u, _scaled_elem(p, ua), a, "sum", nat, f))
+        return _special(m, _root_norm(_sum_over(ts, combines, acc, shape), p, e))
 
-    return lax.cond(_exact_range(s, narrow), lambda: _root_norm(s, p), scaled)
+    return lax.cond(jnp.all(_exact_range(s, narrow)), lambda: _root_norm(s, p), scaled)
 
 
 _global_norm = jax.custom_jvp(_global_norm_impl, nondiff_argnums=(1, 2, 3))
