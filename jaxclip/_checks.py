@@ -407,3 +407,44 @@ def leaf_axes(axes: tuple[int, ...] | None, leaf: Array, path: str) -> tuple[int
             f"({leaf.ndim} axes, so a negative and a positive index meet); name each axis once."
         )
     return normalized
+
+
+def static_count(value: Any, name: str, fn: str) -> int:
+    """A count of steps: a Python int >= 0 (not traced)."""
+    if isinstance(value, (bool, np.bool_)):
+        n = None
+    else:
+        try:
+            n = operator.index(value)
+        except TypeError:  # floats, strings, traced arrays
+            n = None
+    if n is None or n < 0:
+        raise ValueError(f"jaxclip.{fn}: {name}={value!r} must be a Python int >= 0, or None.")
+    return n
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...], fn: str) -> str:
+    """One of a few option strings (case-insensitive, as the reference packages)."""
+    v = value.lower() if isinstance(value, str) else value
+    if v not in choices:
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={value!r} must be one of {', '.join(map(repr, choices))}."
+        )
+    return v
+
+
+def check_positive(value: Any, name: str, fn: str, meaning: str) -> None:
+    """A real scalar > 0 (``meaning`` says what it does, for the message)."""
+    v = _real(value, name, fn, "a real number > 0")
+    if v is not None and not v > 0:  # also catches NaN
+        raise ValueError(f"jaxclip.{fn}: {name}={value!r} must be > 0 ({meaning}).")
+
+
+def check_cap(value: Any, name: str, fn: str) -> None:
+    """An optional fixed cap on the global norm (ZClip's ``max_grad_norm``)."""
+    v = _real(value, name, fn, "a real number > 0, or None for no cap")
+    if v is not None and not v > 0:
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={value!r} must be > 0 (a fixed cap on the global norm of "
+            f"every step); for no cap, pass {name}=None."
+        )

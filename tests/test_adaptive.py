@@ -40,8 +40,12 @@ def _run(tx, norms, jit=True):
 
 
 def _agc_reference(g, p, clipping, eps):
+    # NFNets' unitwise_norm (deepmind-research nfnets/optim.py), with optax's rank 5.
     g, p = ref.f64(g), ref.f64(p)
-    axes = None if g.ndim <= 1 else tuple(range(g.ndim - 1))
+    if np.squeeze(g).ndim <= 1:
+        axes = None
+    else:
+        axes = (0,) if g.ndim in (2, 3) else tuple(range(g.ndim - 1))
     gn = ref.norm([g], 2.0, axes=axes) if axes else ref.norm([g], 2.0)
     pn = ref.norm([p], 2.0, axes=axes) if axes else ref.norm([p], 2.0)
     limit = clipping * np.maximum(pn, eps)
@@ -57,6 +61,8 @@ class AdaptiveClipTest(chex.TestCase):
             "conv": rng.normal(size=(3, 3, 2, 5)).astype(np.float32) * 0.1,
             "bias": np.zeros(3, np.float32),
             "scalar": np.float32(2.0),
+            "heads": rng.normal(size=(4, 2, 3)).astype(np.float32),
+            "row": rng.normal(size=(1, 5)).astype(np.float32),
         }
         grads = jax.tree.map(
             lambda p: jnp.asarray(rng.normal(size=np.shape(p)) * 3, jnp.float32), params
@@ -133,6 +139,7 @@ def _zclip_reference(norms, alpha, z_thresh, warmup, max_norm=None, eps=1e-6):
 
 @pytest.mark.parametrize("max_norm", [None, 2.4])
 def test_zclip_scripted(max_norm):
+    # max_norm: the former name of max_grad_norm, still accepted.
     tx = jaxclip.zclip(alpha=0.9, z_thresh=2.0, warmup_steps=3, max_norm=max_norm)
     outs, states = _run(tx, NORMS)
     expected = _zclip_reference(NORMS, 0.9, 2.0, 3, max_norm)
@@ -147,7 +154,7 @@ def test_zclip_scripted(max_norm):
 
 def test_zclip_inside_inject_hyperparams_and_scan():
     tx = optax.inject_hyperparams(jaxclip.zclip, static_args=("warmup_steps",))(
-        z_thresh=2.0, warmup_steps=3
+        z_thresh=2.0, warmup_steps=3, max_grad_norm=None
     )
     norms = jnp.array([n for n in NORMS if np.isfinite(n)], jnp.float32)
 
