@@ -201,7 +201,10 @@ def auto_clip(
     norms, so the state has a fixed size and the cost per step is ``O(window)``.
     Non-finite norms are not recorded (they propagate as in
     :func:`jaxclip.clip_by_global_norm`: an inf norm scales the step by 0, a NaN one
-    makes it NaN); before any finite norm has been recorded the threshold is 0.
+    makes it NaN); before any finite norm has been recorded the threshold is 0. This is
+    the paper's algorithm (its listing records first, then takes the percentile); the
+    autoclip package's ``QuantileClip`` (per parameter, threshold from the earlier norms
+    only) is :func:`quantile_clip`.
 
     Args:
       percentile: in ``(0, 100]``; 10 is the paper's default.
@@ -251,6 +254,203 @@ def auto_clip(
         return _rescaled(sel, xs, norm, threshold), AutoClipState(history, count, threshold, norm)
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+class HistoryClipState(NamedTuple):
+    """State of :func:`quantile_clip` and :func:`standard_clip`.
+
+    With ``global_threshold=True`` every field is about the global norm (``history`` of
+    shape ``(history_length,)``, the others scalars); otherwise each has a leading axis
+    with one row per selected leaf, in the order of ``jax.tree.leaves``.
+
+    Attributes:
+      history: the last ``history_length`` finite norms (a ring buffer; NaN where empty).
+      finite_count: how many finite norms were recorded in all.
+      threshold: the threshold of the last update (inf before any norm was recorded).
+      norm: the pre-clip norm of the last update (the global norm, or each leaf's).
+    """
+
+    history: Array
+    finite_count: Array
+    threshold: Array
+    norm: Array
+
+
+def _history_clip(
+    statistic: Any,
+    level: Any,
+    history_length: int,
+    global_threshold: bool,
+    need_clip: _tree.NeedClip,
+) -> optax.GradientTransformation:
+    """The autoclip package's clippers: each norm (the global one, or each leaf's) clipped
+    at ``statistic(history, level)`` of its earlier finite norms, then recorded."""
+
+    def rows(tree: PyTree) -> tuple[int, ...]:
+        if global_threshold:
+            return ()
+        return (len(_tree.select(tree, need_clip, what="adaptive clipping").chosen),)
+
+    def init_fn(params: PyTree) -> HistoryClipState:
+        f32, lead = jnp.float32, rows(params)
+        return HistoryClipState(
+            jnp.full((*lead, history_length), jnp.nan, f32),
+            jnp.zeros(lead, jnp.int32),
+            jnp.full(lead, jnp.inf, f32),
+            jnp.zeros(lead, f32),
+        )
+
+    def update_fn(updates: PyTree, state: HistoryClipState, params: Any = None):
+        del params
+        sel = _tree.select(updates, need_clip, what="adaptive clipping")
+        xs = [jnp.asarray(x) for x in sel.chosen]
+        if not global_threshold and state.norm.shape != (len(xs),):
+            raise ValueError(
+                f"jaxclip: the state has a history for {state.norm.shape[0]} leaves but the "
+                f"updates select {len(xs)}; init with params of the updates' structure."
+            )
+        out, state = _history_step(xs, state, level, statistic, global_threshold)
+        return sel.rebuild(out), state
+
+    return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+@functools.partial(jax.jit, static_argnames=("statistic", "global_threshold"))
+def _history_step(
+    xs: list[Array], state: HistoryClipState, level: Any, statistic: Any, global_threshold: bool
+) -> tuple[list[Array], HistoryClipState]:
+    """One step of :func:`_history_clip` (one compiled call, so an eager update costs one
+    dispatch)."""
+    count, history_length = state.finite_count, state.history.shape[-1]
+    # The threshold comes from the earlier norms only; none yet: no clipping.
+    threshold = jnp.where(count > 0, statistic(state.history, count, level), jnp.inf)
+    if global_threshold:
+        parts = _norms.global_norm_parts(xs, 2.0)
+        norm = parts.value.astype(jnp.float32)
+        out = _norms.rescale(xs, parts, threshold)
+    else:
+        leaf_norms = _norms.slice_norms(xs, 2.0, (None,) * len(xs))
+        norm = jnp.stack([n.value.reshape(()).astype(jnp.float32) for n in leaf_norms])
+        norm = norm.reshape(state.norm.shape)  # (0,) when nothing is selected
+        out = _norms.rescale_each(xs, leaf_norms, [threshold[k] for k in range(len(xs))])
+    finite = jnp.isfinite(norm)
+    slot = jax.nn.one_hot(count % history_length, history_length, dtype=bool)
+    history = jnp.where(finite[..., None] & slot, norm[..., None], state.history)
+    count = count + finite.astype(jnp.int32)
+    return out, HistoryClipState(history, count, threshold, norm)
+
+
+def _quantile(history: Array, count: Array, q: Any) -> Array:
+    del count
+    return jnp.nanquantile(history, q, axis=-1)  # linear, as torch.quantile
+
+
+def _std_threshold(history: Array, count: Array, deviations: Any) -> Array:
+    # torch.std (Bessel's n - 1); one recorded norm: the reference's std is NaN and
+    # its step NaN; here no clipping until there are two.
+    n = jnp.minimum(count, history.shape[-1]).astype(history.dtype)
+    mean = jnp.nanmean(history, axis=-1, keepdims=True)
+    ss = jnp.nansum((history - mean) ** 2, axis=-1)
+    std = jnp.sqrt(ss / jnp.maximum(n - 1, 1))
+    return jnp.where(n >= 2, deviations * std, jnp.inf)
+
+
+def quantile_clip(
+    quantile: float = 0.9,
+    history_length: StaticInt = _WINDOW,
+    *,
+    global_threshold: bool = False,
+    need_clip: _tree.NeedClip = None,
+) -> optax.GradientTransformation:
+    """The autoclip package's ``QuantileClip``: each parameter's gradient (or, with
+    ``global_threshold=True``, all of them together) clipped at a quantile of its own
+    earlier norms.
+
+    Per step, for each selected leaf (or the global norm): the threshold is the
+    ``quantile`` (linear interpolation, as ``torch.quantile``) of the last
+    ``history_length`` recorded norms (none yet: inf, the first step is never clipped);
+    the gradient is scaled to at most the threshold; then its pre-clip norm is recorded.
+    Unlike :func:`auto_clip` (the paper's), the current norm does not enter its own
+    threshold. Deliberate difference from the reference: a non-finite norm is not
+    recorded (the reference records it, and its threshold is NaN, so every step is NaN,
+    until it leaves the history); the step itself is NaN (inf: scaled by 0) as in the
+    reference. The scale is ``threshold / norm`` without torch's ``+ 1e-6``.
+
+    Args:
+      quantile: in ``[0, 1]``; 0.9 as in the reference.
+      history_length: how many past norms are kept (per leaf), a Python int >= 1.
+      global_threshold: clip the global norm at a quantile of the global norms' history
+        (the reference's option of that name); False (the default) clips each leaf.
+      need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`HistoryClipState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxclip
+      >>> tx = jaxclip.quantile_clip(0.5)
+      >>> grads = {"a": jnp.array([1.0]), "b": jnp.array([10.0])}
+      >>> state = tx.init(grads)
+      >>> _, state = tx.update(grads, state)   # recorded: a 1, b 10
+      >>> out, state = tx.update({"a": jnp.array([3.0]), "b": jnp.array([5.0])}, state)
+      >>> out["a"], out["b"], state.threshold
+      (Array([1.], dtype=float32), Array([5.], dtype=float32), Array([ 1., 10.], dtype=float32))
+
+    References:
+      Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source Separation
+      Networks <https://arxiv.org/abs/2007.14469>`_, 2020; the ``autoclip`` package 0.2.1
+      (HesitantlyHuman/autoclip ``autoclip/torch/quantile.py``, commit 34badefb)
+    """
+    _checks.check_quantile(quantile, "quantile_clip")
+    n = _checks.static_int(history_length, "history_length", "quantile_clip")
+    return _history_clip(_quantile, quantile, n, global_threshold, need_clip)
+
+
+def standard_clip(
+    deviations: float = 2.0,
+    history_length: StaticInt = _WINDOW,
+    *,
+    global_threshold: bool = False,
+    need_clip: _tree.NeedClip = None,
+) -> optax.GradientTransformation:
+    """The autoclip package's ``StandardClip``: each parameter's gradient (or, with
+    ``global_threshold=True``, all of them together) clipped at ``deviations`` times the
+    standard deviation of its own earlier norms.
+
+    As :func:`quantile_clip`, with the threshold ``deviations * std`` of the last
+    ``history_length`` recorded norms (``torch.std``: Bessel's ``n - 1``). Note that the
+    reference's threshold is ``deviations * std``, not ``mean + deviations * std``; it is
+    followed here. Deliberate differences from the reference: with a single recorded norm
+    the reference's ``std`` is NaN and so is its second step; here a step is not clipped
+    until two norms are recorded; non-finite norms are not recorded; no ``+ 1e-6`` in the
+    scale.
+
+    Args:
+      deviations: finite and >= 0; 2.0 as in the reference.
+      history_length: how many past norms are kept (per leaf), a Python int >= 1.
+      global_threshold: clip the global norm against the global norms' history; False
+        (the default) clips each leaf.
+      need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`HistoryClipState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxclip
+      >>> tx = jaxclip.standard_clip(1.0, global_threshold=True)
+      >>> state = tx.init(jnp.zeros(1))
+      >>> for g in [1.0, 3.0, 10.0]:       # std of (1, 3) is 1.414
+      ...     out, state = tx.update(jnp.array([g]), state)
+      >>> round(float(out[0]), 4), round(float(state.threshold), 4)
+      (1.4142, 1.4142)
+
+    References:
+      the ``autoclip`` package 0.2.1 (HesitantlyHuman/autoclip ``autoclip/torch/std.py``,
+      commit 34badefb)
+    """
+    _checks.check_deviations(deviations, "standard_clip")
+    n = _checks.static_int(history_length, "history_length", "standard_clip")
+    return _history_clip(_std_threshold, deviations, n, global_threshold, need_clip)
 
 
 def _selected(
@@ -486,7 +686,7 @@ def skip_large_updates(
       threshold: the largest global norm of a step that is applied, > 0; ``inf`` (the
         default) skips only non-finite steps.
       max_consecutive_errors: how many bad steps in a row are skipped before one is
-        applied, an int >= 0, or None to never apply a bad step.
+        applied, an int >= 0 (may be traced), or None to never apply a bad step.
       norm_type: ``p > 0`` or ``float('inf')``.
       need_clip: which leaves count towards the norm (see :func:`jaxclip.clip_by_value`).
 
@@ -507,9 +707,7 @@ def skip_large_updates(
     _checks.check_threshold(threshold, "skip_large_updates")
     p = _checks.check_norm_type(norm_type)
     if max_consecutive_errors is not None:
-        max_consecutive_errors = _checks.static_count(
-            max_consecutive_errors, "max_consecutive_errors", "skip_large_updates"
-        )
+        _checks.check_count(max_consecutive_errors, "max_consecutive_errors", "skip_large_updates")
     limit = max_consecutive_errors
 
     def init_fn(params: PyTree) -> SkipLargeUpdatesState:

@@ -61,8 +61,6 @@ class AdaptiveClipTest(chex.TestCase):
             "conv": rng.normal(size=(3, 3, 2, 5)).astype(np.float32) * 0.1,
             "bias": np.zeros(3, np.float32),
             "scalar": np.float32(2.0),
-            "heads": rng.normal(size=(4, 2, 3)).astype(np.float32),
-            "row": rng.normal(size=(1, 5)).astype(np.float32),
         }
         grads = jax.tree.map(
             lambda p: jnp.asarray(rng.normal(size=np.shape(p)) * 3, jnp.float32), params
