@@ -257,3 +257,37 @@ def test_adaptive_clip_with_integer_params_and_float0_grads():
     out, _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_allclose(out["w"], [[0.0], [2.0]], rtol=1e-6)
     assert out["step"] is grads["step"]
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: jaxclip.quantile_clip(1.5), r"quantile=1\.5 must be in \[0, 1\]"),
+        (lambda: jaxclip.quantile_clip(0.5, 0), r"history_length=0 must be a Python int >= 1"),
+        (lambda: jaxclip.standard_clip(-1.0), r"deviations=-1\.0 must be finite and >= 0"),
+        (
+            lambda: jaxclip.skip_large_updates(optax.sgd(1.0), max_consecutive_errors=-1),
+            r"max_consecutive_errors=-1 must be an int >= 0",
+        ),
+        (
+            lambda: jaxclip.skip_large_updates(optax.sgd(1.0), max_consecutive_errors=1.5),
+            r"max_consecutive_errors=1\.5 must be an int >= 0",
+        ),
+        (lambda: jaxclip.zclip(max_grad_norm=0.0), r"max_grad_norm=0\.0 must be > 0"),
+    ],
+)
+def test_new_hyperparameters_are_validated(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_quantile_clip_state_has_one_row_per_selected_leaf():
+    tree = {"a": jnp.ones(2), "b": jnp.ones((2, 3)), "n": jnp.array(1, jnp.int32)}
+    state = jaxclip.quantile_clip(0.5, 4).init(tree)
+    assert state.history.shape == (2, 4) and state.threshold.shape == (2,)
+    state = jaxclip.quantile_clip(0.5, 4, global_threshold=True).init(tree)
+    assert state.history.shape == (4,) and state.threshold.shape == ()
+    with pytest.raises(ValueError, match="history for 2 leaves but the updates select 1"):
+        jaxclip.quantile_clip(0.5, 4).update(
+            {"a": jnp.ones(2)}, jaxclip.quantile_clip(0.5).init(tree)
+        )
