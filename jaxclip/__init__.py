@@ -4,12 +4,15 @@ The public names, each declared here once (``name as name`` re-exports them).
 """
 
 from jaxclip.adaptive import AutoClipState as AutoClipState
+from jaxclip.adaptive import HistoryClipState as HistoryClipState
 from jaxclip.adaptive import SkipLargeUpdatesState as SkipLargeUpdatesState
 from jaxclip.adaptive import ZClipState as ZClipState
 from jaxclip.adaptive import adaptive_clip as adaptive_clip
 from jaxclip.adaptive import auto_clip as auto_clip
 from jaxclip.adaptive import clip_tree_adaptive as clip_tree_adaptive
+from jaxclip.adaptive import quantile_clip as quantile_clip
 from jaxclip.adaptive import skip_large_updates as skip_large_updates
+from jaxclip.adaptive import standard_clip as standard_clip
 from jaxclip.adaptive import zclip as zclip
 from jaxclip.clipping import ClipByGlobalNormState as ClipByGlobalNormState
 from jaxclip.clipping import ClipByNormState as ClipByNormState

@@ -43,7 +43,9 @@ def modes() -> dict[str, Callable[[], optax.GradientTransformation]]:
         "clip_by_global_norm(1.0)": lambda: jaxclip.clip_by_global_norm(1.0),
         "adaptive_clip(0.05)": lambda: jaxclip.adaptive_clip(0.05),
         "auto_clip(10)": lambda: jaxclip.auto_clip(10.0, window=200),
-        "zclip()": lambda: jaxclip.zclip(),
+        # Spike detection alone: without the reference's default cap (max_grad_norm=1.0) it
+        # would be clip_by_global_norm(1.0) here, where nearly every step is an outlier.
+        "zclip(max_grad_norm=None)": lambda: jaxclip.zclip(max_grad_norm=None),
         "skip_large_updates(5.0)": lambda: jaxclip.skip_large_updates(optax.identity(), 5.0),
     }
 

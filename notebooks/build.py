@@ -153,7 +153,7 @@ runs = {
     "none": run(optax.identity()),
     "clip_by_global_norm(10)": run(jaxclip.clip_by_global_norm(10.0)),
     "auto_clip(90)": run(jaxclip.auto_clip(90.0)),
-    "zclip()": run(jaxclip.zclip(warmup_steps=10)),
+    "zclip(max_grad_norm=None)": run(jaxclip.zclip(warmup_steps=10, max_grad_norm=None)),
     "skip_large_updates(100)": run(jaxclip.skip_large_updates(optax.identity(), 100.0)),
 }
 for name, l in runs.items():
