@@ -37,7 +37,12 @@ def _unit_axes(shape: tuple[int, ...]) -> tuple[int, ...] | None:
 
 
 def adaptive_clip(
-    clipping: float, eps: float = 1e-3, *, axes: Axes = None, need_clip: _tree.NeedClip = None
+    clipping: float,
+    eps: float = 1e-3,
+    *,
+    axes: Axes = None,
+    need_clip: _tree.NeedClip = None,
+    axis_name: _norms.AxisName = None,
 ) -> optax.GradientTransformation:
     """Adaptive Gradient Clipping: each unit's gradient norm is clipped to
     ``clipping * max(||param unit||, eps)``.
@@ -61,6 +66,9 @@ def adaptive_clip(
       axes: the axes a unit's norm is taken over, for every leaf; None for the reference's
         units (above).
       need_clip: which leaves are clipped (see :func:`jaxclip.clip_by_value`).
+      axis_name: inside ``shard_map``, for units of a leaf split across devices: the
+        mesh axes that split the reduced dimensions (see :func:`jaxclip.clip_by_norm`);
+        a leaf that is one unit needs none.
 
     Returns:
       An ``optax.GradientTransformation`` (``optax.EmptyState``) whose ``update`` needs
@@ -90,7 +98,9 @@ def adaptive_clip(
             raise ValueError(
                 "jaxclip.adaptive_clip needs the parameters: call update(grads, state, params)."
             )
-        return clip_tree_adaptive(updates, params, clipping, eps, axes=axes, need_clip=need_clip)
+        return clip_tree_adaptive(
+            updates, params, clipping, eps, axes=axes, need_clip=need_clip, axis_name=axis_name
+        )
 
     return optax.stateless(clip)
 
@@ -103,6 +113,7 @@ def clip_tree_adaptive(
     *,
     axes: Axes = None,
     need_clip: _tree.NeedClip = None,
+    axis_name: _norms.AxisName = None,
 ) -> PyTree:
     """Clips each unit of ``tree`` to ``clipping * max(||unit of params||, eps)`` (AGC).
 
@@ -116,6 +127,8 @@ def clip_tree_adaptive(
       axes: the axes a unit's norm is taken over, for every leaf; None for the defaults
         of :func:`adaptive_clip`.
       need_clip: which leaves are clipped (see :func:`jaxclip.clip_by_value`).
+      axis_name: inside ``shard_map``, for units of a leaf split across devices: the
+        mesh axes that split the reduced dimensions (see :func:`jaxclip.clip_by_norm`).
 
     Returns:
       The clipped tree; unselected leaves are the very same objects.
@@ -149,21 +162,25 @@ def clip_tree_adaptive(
         _checks.leaf_axes(axes_t, g, path) if axes_t is not None else _unit_axes(g.shape)
         for g, path in zip(gs, sel.chosen_paths)
     ]
-    return sel.rebuild(_agc(gs, ps, tuple(leaf_axes), clipping, eps))
+    paths = tuple(sel.chosen_paths)
+    return sel.rebuild(_agc(gs, ps, tuple(leaf_axes), clipping, eps, axis_name, paths))
 
 
-@functools.partial(jax.jit, static_argnames=("axes",))
+@functools.partial(jax.jit, static_argnames=("axes", "axis_name", "paths"))
 def _agc(
     gs: list[Array],
     ps: list[Array],
     axes: tuple[tuple[int, ...] | None, ...],
     clipping: Any,
     eps: Any,
+    axis_name: _norms.AxisName,
+    paths: tuple[str, ...],
 ) -> list[Array]:
     """Each unit of ``gs`` clipped to ``clipping * max(||unit of ps||, eps)`` (one compiled
     call, so an eager update costs one dispatch)."""
-    g_norms = _norms.slice_norms(gs, 2.0, axes)
-    p_norms = _norms.slice_norms(ps, 2.0, axes)
+    kw = {"axis_name": axis_name, "paths": paths}
+    g_norms = _norms.slice_norms(gs, 2.0, axes, **kw)
+    p_norms = _norms.slice_norms(ps, 2.0, axes, **kw)
     limits = [
         clipping * jnp.maximum(pn.value.astype(gn.frac.dtype), eps)
         for gn, pn in zip(g_norms, p_norms)

@@ -101,12 +101,18 @@ MODES = {
     "grouped": lambda g: jaxclip.clip_tree_by_global_norm(
         g, 1.0, group=lambda path, _: path.split("/")[0]
     ),
+    # AGC's units reduce axis 0 (all of a vector), which "data"/"expert" split.
+    "adaptive_clip": _tx_mode(jaxclip.adaptive_clip(0.05, axis_name=("data", "expert"))),
+    "quantile_clip": _tx_mode(jaxclip.quantile_clip()),
     "auto_clip": _tx_mode(jaxclip.auto_clip()),
     "zclip": _tx_mode(jaxclip.zclip()),
     "skip": _tx_mode(jaxclip.skip_large_updates(optax.sgd(1.0), 20.0)),
 }
 # One device: no mapped axes to name.
-SINGLE = {"norm_axes0": lambda g: _whole_slices(jaxclip.clip_tree_by_norm(g, 1.0, axes=0))}
+SINGLE = {
+    "norm_axes0": lambda g: _whole_slices(jaxclip.clip_tree_by_norm(g, 1.0, axes=0)),
+    "adaptive_clip": _tx_mode(jaxclip.adaptive_clip(0.05)),
+}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
