@@ -947,7 +947,8 @@ def _global_norm_body(
             ts.append(_reduce(u, _scaled_elem(p, ua), a, "sum", nat, f))
         return _special(m, _root_norm(_sum_over(ts, combines, acc, shape), p, e))
 
-    return lax.cond(jnp.all(_exact_range(s, narrow)), lambda: _root_norm(s, p), scaled)
+    ok = _exact_range(s, narrow)
+    return lax.cond(jnp.all(ok) if shape else ok, lambda: _root_norm(s, p), scaled)
 
 
 _global_norm = jax.custom_jvp(_global_norm_impl, nondiff_argnums=(1, 2, 3))
