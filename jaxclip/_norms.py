@@ -811,3 +811,95 @@ def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:
         jax.debug.callback(check, *values)
     else:
         check(*concrete)
+
+
+# ----------------------------------------------------------------------------------------
+# Per-example norms (clip_per_example): one norm per example over many batched leaves.
+
+
+@functools.partial(jax.jit, static_argnames=("p",))
+def per_example_norm_parts(leaves: Sequence[Array], p: float) -> Norm:
+    """Per example ``b``, the p-norm of all ``leaves[i][b]`` together (axis 0 is the batch).
+
+    The per-example counterpart of :func:`global_norm_parts`: per leaf, a power sum over
+    every axis but 0, summed over the leaves per example, then the root; one ``lax.cond``
+    for the whole batch takes the scaled path (each example scaled by the power of two of
+    its own largest magnitude) only when some example's sum is out of exact range.
+
+    Args:
+      leaves: floating or complex arrays, each of shape ``(batch, ...)``, one batch size.
+      p: the norm type (> 0, or inf).
+
+    Returns:
+      A :class:`Norm` of shape ``(batch,)`` in the widest accumulation dtype of the leaves.
+    """
+    views = tuple(_reduction_view(leaves))
+    return _per_example(views, p)
+
+
+def _example_axes(x: Array) -> tuple[int, ...]:
+    return tuple(range(1, x.ndim))
+
+
+def _per_example_impl(units: tuple[Array, ...], p: float) -> Norm:
+    acc = result_dtype(units)
+    batch = units[0].shape[0]
+    natives = [_native(u, False, p=p) for u in units]
+    if p == math.inf:
+        m = jnp.zeros((batch,), acc)
+        for u, nat in zip(units, natives):
+            um = _inf_norm(u, _example_axes(u), acc_dtype(u.dtype), nat)
+            m = jnp.maximum(m, um.reshape(batch).astype(acc))
+        return _special(m, _from_root(m, jnp.zeros_like(m)))
+    s = jnp.zeros((batch,), acc)
+    for u, nat in zip(units, natives):
+        s = s + _power_sum(u, p, _example_axes(u), nat).reshape(batch).astype(acc)
+    narrow = min((acc_dtype(u.dtype) for u in units), key=lambda d: d.itemsize)
+    ok = _exact_range(s, narrow)
+
+    def fast() -> Norm:
+        return _root_norm(s, p)
+
+    def scaled() -> Norm:
+        # Per example, one scale 2**-e from its largest magnitude m = f * 2**e over all
+        # leaves (as in _global_norm_impl, with a batch axis).
+        rare = [_native(u, False, rare=True) for u in units]
+        m = jnp.zeros((batch,), acc)
+        for u, nat in zip(units, rare):
+            um = _max_abs(u, _example_axes(u), acc_dtype(u.dtype), nat)
+            m = jnp.maximum(m, um.reshape(batch).astype(acc))
+        e = frexp(m)[1]
+        half = jnp.floor(-e / 2)
+        factors = {
+            d: (_pow2(half, d), _pow2(-e - half, d)) for d in {acc_dtype(u.dtype) for u in units}
+        }
+        again, factors = lax.optimization_barrier((units, factors))
+        t = jnp.zeros((batch,), acc)
+        for u, nat in zip(again, rare):
+            ua = acc_dtype(u.dtype)
+            kept = (batch,) + (1,) * (u.ndim - 1)
+            f = tuple(v.reshape(kept) for v in factors[ua])
+            part = _reduce(u, _scaled_elem(p, ua), _example_axes(u), "sum", nat, f)
+            t = t + part.reshape(batch).astype(acc)
+        good = (m > 0) & jnp.isfinite(m)
+        n = _special(m, _root_norm(t, p, jnp.where(good, e, 0)))
+        f = fast()
+        return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
+
+    return lax.cond(jnp.all(ok), fast, scaled)
+
+
+_per_example = jax.custom_jvp(_per_example_impl, nondiff_argnums=(1,))
+
+
+@_per_example.defjvp
+def _per_example_rule(p: float, primals: tuple, tangents: tuple):
+    (units,), (dunits,) = primals, tangents
+    norm = _per_example(units, p)
+    batch = norm.frac.shape[0]
+    dn = jnp.zeros((batch,), norm.frac.dtype)
+    for u, du in zip(units, dunits):
+        kept = (batch,) + (1,) * (u.ndim - 1)
+        n = Norm(norm.frac.reshape(kept), norm.exp.reshape(kept))
+        dn = dn + _tangent(u, du, n, p, _example_axes(u)).reshape(batch).astype(dn.dtype)
+    return norm, Norm(*_dnorm(norm, dn))
