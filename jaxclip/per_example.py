@@ -10,6 +10,7 @@ and factors from ``_norms.clip_scale``, as for every other mode.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -142,42 +143,75 @@ def _per_example(
         labels, per_leaf = [None], [None] * len(xs)
     else:
         labels, per_leaf = _group_labels(group, sel)
-    norms: dict[Hashable, Array] = {}
-    fractions: dict[Hashable, Array] = {}
+    members = tuple(tuple(i for i, lab in enumerate(per_leaf) if lab == label) for label in labels)
+    rest_xs = [jnp.asarray(sel.leaves[i]) for i in rest]
+    outs, rest_outs, norms, fractions = _arrays(
+        xs, rest_xs, clip_norm, noise_std, key, p=p, members=members, reduce=reduce, batch=batch
+    )
+    leaves = list(sel.leaves)
+    for i, y in zip([*sel.indices, *rest], [*outs, *rest_outs]):
+        leaves[i] = y
+    return (
+        sel.treedef.unflatten(leaves),
+        dict(zip(labels, norms)),
+        dict(zip(labels, fractions)),
+        batch,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("p", "members", "reduce", "batch"))
+def _arrays(
+    xs: list[Array],
+    rest: list[Array],
+    clip_norm: Any,
+    noise_std: Any,
+    key: Array | None,
+    *,
+    p: float,
+    members: tuple[tuple[int, ...], ...],
+    reduce: Reduce,
+    batch: int | None,
+) -> tuple[list[Array], list[Array], list[Array], list[Array]]:
+    """The array work, one compiled call (so eager use is one dispatch): per group of
+    ``members`` (indices into ``xs``), the per-example norms, factors and clipped fraction;
+    then each selected leaf scaled (``reduce=None``) or contracted with its factors, plus
+    noise when ``key`` is given; the unselected ``rest`` summed unclipped."""
+    norms, fractions = [], []
     scales: list[Any] = [None] * len(xs)
-    for label in labels:
-        members = [i for i, lab in enumerate(per_leaf) if lab == label]
-        if members:
-            n = _norms.per_example_norm_parts([xs[i] for i in members], p)
+    for group in members:
+        if group:
+            n = _norms.per_example_norm_parts([xs[i] for i in group], p)
         else:  # nothing selected: every example has norm 0
             n = _norms.as_norm(jnp.zeros((batch or 0,), jnp.float32))
         scale = _norms.clip_scale(n, clip_norm)
         # Everything read from the norm is computed before the contractions, so that only
-        # the factors stay live while they run (XLA may otherwise keep the norm's parts).
-        scale, norms[label], fractions[label] = lax.optimization_barrier(
+        # the factors stay live while they run.
+        scale, value, fraction = lax.optimization_barrier(
             (scale, n.value, jnp.mean(~scale.keep, dtype=jnp.float32))
         )
-        for i in members:
+        norms.append(value)
+        fractions.append(fraction)
+        for i in group:
             scales[i] = scale
-
-    leaves = list(sel.leaves)
     if reduce is None:
-        for i, x, s in zip(sel.indices, xs, scales):
+        outs = []
+        for x, s in zip(xs, scales):
             kept = (x.shape[0],) + (1,) * (x.ndim - 1)
-            leaves[i] = _norms.apply_scale(x, _norms.Scale(*(v.reshape(kept) for v in s)))
-        return sel.treedef.unflatten(leaves), norms, fractions, batch
+            outs.append(_norms.apply_scale(x, _norms.Scale(*(v.reshape(kept) for v in s))))
+        return outs, list(rest), norms, fractions
     keys = [None] * len(xs) if key is None else list(jax.random.split(key, len(xs)))
-    for i, x, s, k in zip(sel.indices, xs, scales, keys):
+    outs = []
+    for x, s, k in zip(xs, scales, keys):
         total = _contract(_weights(s), x)
         if k is not None:  # one independent draw per leaf (and per step: a fresh key)
             std = jnp.asarray(noise_std, total.real.dtype)
             total = total + std * jax.random.normal(k, total.shape, total.real.dtype)
-        leaves[i] = _finish(total, x.dtype, reduce, batch)
-    for i in rest:
-        x = jnp.asarray(sel.leaves[i])
+        outs.append(_finish(total, x.dtype, reduce, batch))
+    rest_outs = []
+    for x in rest:
         total = _contract(jnp.ones((x.shape[0],), _norms.acc_dtype(x.dtype)), x)
-        leaves[i] = _finish(total, x.dtype, reduce, batch)
-    return sel.treedef.unflatten(leaves), norms, fractions, batch
+        rest_outs.append(_finish(total, x.dtype, reduce, batch))
+    return outs, rest_outs, norms, fractions
 
 
 def _is_float(x: Any) -> bool:
