@@ -214,6 +214,21 @@ def test_init_state_matches_update_state(kwargs):
         assert jax.typeof(a) == jax.typeof(b)  # shape, dtype and weak type
 
 
+def test_inject_hyperparams_traced_clip_norm_no_recompile():
+    g = _grads()
+    params = jax.tree.map(lambda x: np.zeros(x.shape[1:], x.dtype), g)
+    make = optax.inject_hyperparams(jaxclip.clip_per_example, static_args=("batch_size",))
+    tx = make(clip_norm=2.0, batch_size=B)
+    update = jax.jit(tx.update)
+    _, state = update(g, tx.init(params))
+    state.hyperparams["clip_norm"] = jnp.asarray(0.5, jnp.float32)
+    updates, state = update(g, state)
+    assert update._cache_size() == 1
+    want, n = _reference(g, 0.5, reduce="mean")
+    _close(updates, want, 2e-6)
+    np.testing.assert_allclose(state.inner_state.norms, n, rtol=2e-6)
+
+
 def test_noise_statistics():
     """std = noise_multiplier * clip_norm on the sum, divided by B for the mean; zero mean;
     independent across leaves and steps. A reused key or a wrong std fails."""
