@@ -833,8 +833,14 @@ def per_example_norm_parts(leaves: Sequence[Array], p: float) -> Norm:
     Returns:
       A :class:`Norm` of shape ``(batch,)`` in the widest accumulation dtype of the leaves.
     """
-    views = tuple(_reduction_view(leaves))
-    return _per_example(views, p)
+    # One reduced axis per example (a free reshape of a row-major leaf): XLA:CPU reduces
+    # (B, n) 1.6x faster than (B, n1, n2) over two axes. Not for sharded leaves, whose
+    # merged axes XLA could gather.
+    flat = [
+        x.reshape(x.shape[0], math.prod(x.shape[1:])) if _one_device(x) and x.ndim != 2 else x
+        for x in (jnp.asarray(x) for x in leaves)
+    ]
+    return _per_example(tuple(_reduction_view(flat)), p)
 
 
 def _example_axes(x: Array) -> tuple[int, ...]:
