@@ -170,15 +170,11 @@ def test_need_clip_unselected_leaves_reduced_unclipped(need_clip):
     _close(got, want, 2e-6)
 
 
-def test_jit_grad_and_chain():
+def test_grad_and_chain():  # jit: the doctests and test_inject_hyperparams_...
     g = jax.tree.map(jnp.asarray, _grads())
     g = {**g, "head": [g["head"][0].at[0].set(0.0)]}
     g["kernel"] = g["kernel"].at[0].set(0.0)
     g["bias"] = g["bias"].at[0].set(0.0)  # example 0 is all zeros: norm 0
-    f = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0))
-    eager = jaxclip.clip_tree_per_example(g, 1.0)
-    for a, b in zip(jax.tree.leaves(f(g)), jax.tree.leaves(eager)):
-        np.testing.assert_array_equal(a, b)
 
     def loss(t):
         return sum(jnp.sum(x) for x in jax.tree.leaves(jaxclip.clip_tree_per_example(t, 1.0)[0]))
@@ -199,13 +195,13 @@ def test_jit_grad_and_chain():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"batch_size": B, "group": lambda path, leaf: path[:4]}],
+    [{}, {"batch_size": 2, "group": lambda path, leaf: path}],
     ids=["no_batch_size", "batch_size_group"],
 )
 def test_init_state_matches_update_state(kwargs):
-    g = _grads()
-    params = jax.tree.map(lambda x: np.zeros(x.shape[1:], x.dtype), g)
-    tx = jaxclip.clip_per_example(1.0, noise_multiplier=0.5, **kwargs)
+    g = _ZEROS  # the noise test's tree: the same compiled program without group
+    params = jax.tree.map(lambda x: x[0], g)
+    tx = jaxclip.clip_per_example(0.5, noise_multiplier=3.0, seed=1, **kwargs)
     s0 = tx.init(params)
     _, s1 = tx.update(g, s0)
     assert isinstance(s1, jaxclip.ClipPerExampleState)
@@ -229,10 +225,13 @@ def test_inject_hyperparams_traced_clip_norm_no_recompile():
     np.testing.assert_allclose(state.inner_state.norms, n, rtol=2e-6)
 
 
+_ZEROS = {"a": np.zeros((2, 4000), np.float32), "b": np.zeros((2, 4000), np.float32)}
+
+
 def test_noise_statistics():
     """std = noise_multiplier * clip_norm on the sum, divided by B for the mean; zero mean;
     independent across leaves and steps. A reused key or a wrong std fails."""
-    zeros = {"a": np.zeros((2, 4000), np.float32), "b": np.zeros((2, 4000), np.float32)}
+    zeros = _ZEROS
     params = jax.tree.map(lambda x: x[0], zeros)
     tx = jaxclip.clip_per_example(0.5, noise_multiplier=3.0, seed=1)
     s = tx.init(params)
@@ -277,12 +276,9 @@ def test_no_per_example_copy_and_temp_within_optax(dtype):
     vectors."""
     batch = 16
     g = {"w": jnp.ones((batch, 64, 128), dtype), "b": jnp.ones((batch, 128), dtype)}
-    temp = {}
-    for name, fn in [
-        ("ours", lambda t: jaxclip.clip_tree_per_example(t, 1.0)),
-        ("optax", lambda t: optax.per_example_global_norm_clip(t, 1.0)),
-    ]:
-        temp[name] = jax.jit(fn).lower(g).compile().memory_analysis().temp_size_in_bytes
-    f32_copy = batch * 64 * 128 * 4
-    assert temp["ours"] < f32_copy / 4, temp
-    assert temp["ours"] <= temp["optax"] + 16 * batch * 4, temp
+    ours = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0)).lower(g).compile()
+    temp = ours.memory_analysis().temp_size_in_bytes
+    assert temp < batch * 64 * 128 * 4 / 4, temp  # a float32 copy of "w" would be 4x this
+    if dtype == jnp.float32:  # optax widens bf16 (137 MB on the benchmark's MLP): no contest
+        theirs = jax.jit(lambda t: optax.per_example_global_norm_clip(t, 1.0)).lower(g).compile()
+        assert temp <= theirs.memory_analysis().temp_size_in_bytes + 16 * batch * 4
