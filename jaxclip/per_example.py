@@ -272,11 +272,11 @@ def clip_tree_per_example(
     Example:
       >>> import jax.numpy as jnp, jaxclip
       >>> grads = {"w": jnp.array([[3.0, 0.0], [0.3, 0.0]]), "b": jnp.array([[4.0], [0.4]])}
-      >>> total, norms = jaxclip.clip_tree_per_example(grads, 1.0)
+      >>> total, norms = jaxclip.clip_tree_per_example(grads, 2.5)  # example 0 halved
       >>> norms
       Array([5. , 0.5], dtype=float32)
       >>> total["w"], total["b"]
-      (Array([0.90000004, 0.        ], dtype=float32), Array([1.2], dtype=float32))
+      (Array([1.8, 0. ], dtype=float32), Array([2.4], dtype=float32))
 
     References:
       Abadi et al., `Deep Learning with Differential Privacy
