@@ -23,5 +23,8 @@ from jaxclip.clipping import clip_tree_by_global_norm as clip_tree_by_global_nor
 from jaxclip.clipping import clip_tree_by_norm as clip_tree_by_norm
 from jaxclip.clipping import clip_tree_by_value as clip_tree_by_value
 from jaxclip.clipping import global_norm as global_norm
+from jaxclip.per_example import ClipPerExampleState as ClipPerExampleState
+from jaxclip.per_example import clip_per_example as clip_per_example
+from jaxclip.per_example import clip_tree_per_example as clip_tree_per_example
 
 __version__ = "0.1.0"

@@ -862,7 +862,7 @@ def global_norm_parts(
     if not units:
         zero = jnp.zeros((), acc)
         return Norm(zero, zero)
-    return _global_norm(tuple(units), p, tuple(bucketed), tuple(combines))
+    return _global_norm(tuple(units), p, tuple(bucketed), tuple(combines), 0)
 
 
 def global_norm(
@@ -873,8 +873,14 @@ def global_norm(
 
 
 def _global_norm_impl(
-    units: tuple[Array, ...], p: float, bucketed: tuple[bool, ...], combines: tuple[Combine, ...]
+    units: tuple[Array, ...],
+    p: float,
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+    lead: int,
 ) -> Norm:
+    if lead:
+        return _global_norm_body(units, p, bucketed, combines, lead)
     return _batchable_global_norm(p, bucketed, combines)(units)
 
 
@@ -945,21 +951,34 @@ def _global_norm_body(
             ua = acc_dtype(u.dtype)
             f = tuple(keep(v, u) for v in fs[ua])
             ts.append(_reduce(u, _scaled_elem(p, ua), a, "sum", nat, f))
-        return _special(m, _root_norm(_sum_over(ts, combines, acc, shape), p, e))
+        n = _special(m, _root_norm(_sum_over(ts, combines, acc, shape), p, e))
+        if not shape:
+            return n
+        # Examples in range keep the fast result: each one's norm, to the bit, does not
+        # depend on the others in the batch.
+        f = _root_norm(s, p)
+        return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
 
     ok = _exact_range(s, narrow)
     return lax.cond(jnp.all(ok) if shape else ok, lambda: _root_norm(s, p), scaled)
 
 
-_global_norm = jax.custom_jvp(_global_norm_impl, nondiff_argnums=(1, 2, 3))
+_global_norm = jax.custom_jvp(_global_norm_impl, nondiff_argnums=(1, 2, 3, 4))
 
 
 @_global_norm.defjvp
-def _global_norm_rule(p: float, bucketed: tuple, combines: tuple, primals: tuple, tangents: tuple):
+def _global_norm_rule(
+    p: float, bucketed: tuple, combines: tuple, lead: int, primals: tuple, tangents: tuple
+):
     (units,), (dunits,) = primals, tangents
-    norm = _global_norm(units, p, bucketed, combines)
-    parts = [_tangent(u, du, norm, p, None) for u, du in zip(units, dunits)]
-    dn = _sum_over(parts, combines, norm.frac.dtype)
+    norm = _global_norm(units, p, bucketed, combines, lead)
+    shape = norm.frac.shape
+    parts = []
+    for u, du in zip(units, dunits):
+        kept = shape + (1,) * (u.ndim - lead)
+        n = Norm(norm.frac.reshape(kept), norm.exp.reshape(kept))
+        parts.append(_tangent(u, du, n, p, tuple(range(lead, u.ndim)) if lead else None))
+    dn = _sum_over(parts, combines, norm.frac.dtype, shape)
     return norm, Norm(*_dnorm(norm, dn))
 
 
@@ -1054,3 +1073,34 @@ def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:
         jax.debug.callback(check, *values)
     else:
         check(*concrete)
+
+
+# ----------------------------------------------------------------------------------------
+# Per-example norms (clip_per_example): one norm per example over many batched leaves.
+
+
+@functools.partial(jax.jit, static_argnames=("p",))
+def per_example_norm_parts(leaves: Sequence[Array], p: float) -> Norm:
+    """Per example ``b``, the p-norm of all ``leaves[i][b]`` together (axis 0 is the batch).
+
+    The per-example counterpart of :func:`global_norm_parts`: per leaf, a power sum over
+    every axis but 0, summed over the leaves per example, then the root; one ``lax.cond``
+    for the whole batch takes the scaled path (each example scaled by the power of two of
+    its own largest magnitude) only when some example's sum is out of exact range.
+
+    Args:
+      leaves: floating or complex arrays, each of shape ``(batch, ...)``, one batch size.
+      p: the norm type (> 0, or inf).
+
+    Returns:
+      A :class:`Norm` of shape ``(batch,)`` in the widest accumulation dtype of the leaves.
+    """
+    # One reduced axis per example (a free reshape of a row-major leaf): XLA:CPU reduces
+    # (B, n) 1.6x faster than (B, n1, n2) over two axes. Not for sharded leaves, whose
+    # merged axes XLA could gather.
+    flat = [
+        x.reshape(x.shape[0], math.prod(x.shape[1:])) if _one_device(x) and x.ndim != 2 else x
+        for x in (jnp.asarray(x) for x in leaves)
+    ]
+    units = tuple(_reduction_view(flat))
+    return _global_norm(units, p, (False,) * len(units), ((),) * len(units), 1)
