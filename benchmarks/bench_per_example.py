@@ -19,7 +19,7 @@ import datetime
 import os
 import platform
 import statistics
-import time
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench import _compile, _time_interleaved
 
 import jaxclip
 
@@ -64,25 +67,6 @@ def trees(quick: bool) -> dict[str, dict[str, jax.Array]]:
         f"mlp_b{batch}_bf16": make(mlp, jnp.bfloat16),
         f"transformer_b{batch}_f32": make(tf, jnp.float32),
     }
-
-
-def _compile(fn: Callable, *args: Any) -> tuple[Callable, float, int]:
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
-    seconds = time.perf_counter() - t0
-    return compiled, seconds, int(compiled.memory_analysis().temp_size_in_bytes)
-
-
-def _time_interleaved(fns: list[Callable], args: list[tuple], reps: int) -> list[list[float]]:
-    for f, a in zip(fns, args):
-        jax.block_until_ready(f(*a))
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for i, (f, a) in enumerate(zip(fns, args)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            times[i].append(time.perf_counter() - t0)
-    return times
 
 
 def _modes(tree: dict[str, jax.Array]) -> dict[str, tuple[Callable, Callable, tuple, tuple]]:

@@ -48,6 +48,15 @@ class ClipPerExampleState(NamedTuple):
     key: Array
 
 
+def _check_common(clip_norm: Any, norm_type: Any, reduce: Any, group: Any, fn: str) -> float:
+    """The checks both entry points share; returns the norm type as a float."""
+    _checks.check_clip_norm(clip_norm, fn)
+    p = _checks.check_norm_type(norm_type)
+    _check_reduce(reduce, fn)
+    _checks.check_callable(group, "group", fn, "group(path, leaf) -> label")
+    return p
+
+
 def _check_reduce(reduce: Any, fn: str) -> None:
     if reduce not in ("sum", "mean", None):
         raise ValueError(
@@ -283,10 +292,7 @@ def clip_tree_per_example(
       <https://arxiv.org/abs/1607.00133>`_, 2016
     """
     fn = "clip_tree_per_example"
-    _checks.check_clip_norm(clip_norm, fn)
-    p = _checks.check_norm_type(norm_type)
-    _check_reduce(reduce, fn)
-    _checks.check_callable(group, "group", fn, "group(path, leaf) -> label")
+    p = _check_common(clip_norm, norm_type, reduce, group, fn)
     tree, norms, _, _ = _per_example(grads, clip_norm, p, need_clip, group, reduce, None, None, fn)
     return tree, (norms[None] if group is None else norms)
 
@@ -357,10 +363,7 @@ def clip_per_example(
       <https://arxiv.org/abs/1607.00133>`_, 2016
     """
     fn = "clip_per_example"
-    _checks.check_clip_norm(clip_norm, fn)
-    p = _checks.check_norm_type(norm_type)
-    _check_reduce(reduce, fn)
-    _checks.check_callable(group, "group", fn, "group(path, leaf) -> label")
+    p = _check_common(clip_norm, norm_type, reduce, group, fn)
     noise = _checks._real(noise_multiplier, "noise_multiplier", fn, "a real number >= 0")
     if noise is not None and not noise >= 0:  # also catches NaN
         raise ValueError(
