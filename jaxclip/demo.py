@@ -8,8 +8,8 @@ jaxclip mode is then trained at that high learning rate. Every configuration run
 several seeds (initialisation and batches; a seed's batches are the same for every
 configuration), all in one compiled program.
 
-Prints a table (training loss at the end in bits per character, mean ± spread over the
-seeds, against the do-nothing baseline: predicting each character by its frequency in the
+Prints a table (training loss at the end in bits per character, mean ± half the range over
+the seeds, against the do-nothing baseline: predicting each character by its frequency in the
 text) and writes a plot of the loss curves (``--out``; needs matplotlib, the ``demo``
 extra). The progress bar uses tqdm when it is installed.
 """
