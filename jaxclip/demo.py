@@ -203,13 +203,15 @@ class _Bar:
         try:
             from tqdm import tqdm  # pyright: ignore[reportMissingModuleSource]
 
-            self._bar = tqdm(total=total, unit="step", desc=desc)
+            self._bar = tqdm(total=total, unit="step", desc=desc, postfix="compiling")
         except ImportError:
             print(f"{desc}: compiling, then {total} steps", flush=True)
 
     def update(self, n: int) -> None:
         before, self.done = self.done, self.done + n
         if self._bar is not None:
+            if before == 0:
+                self._bar.set_postfix_str("")  # compiled: the first chunk has run
             self._bar.update(n)
         elif self.enabled and before * 5 // self.total != self.done * 5 // self.total:
             print(f"  step {self.done}/{self.total}", flush=True)
