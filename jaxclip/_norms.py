@@ -324,21 +324,20 @@ def _power_sum(x: Array, p: float, axes: Axes, native: bool) -> Array:
 
 
 def _scaled_parts(
-    x: Array, p: float, axes: Axes, native: bool, combine: Combine = ()
-) -> tuple[Array, Array, Array]:
-    """The rare path for one array: ``(m, e, t)`` per slice, ``m = max |x|`` with exponent
-    ``e`` (float; -inf where ``m`` is 0 or not finite) and ``t = sum (|x| 2**-e)^p``, each
-    term at most 1, so nothing overflows and only negligible terms underflow; ``m`` and
-    ``t`` combined over the mapped axes ``combine``."""
+    x: Array, p: float, axes: Axes, native: bool, m: Array, combine: Combine = ()
+) -> tuple[Array, Array]:
+    """The rare path for one array, given ``m = max |x|`` per slice (combined): ``(e, t)``,
+    ``e`` the exponent of ``m`` (float; -inf where ``m`` is 0 or not finite) and
+    ``t = sum (|x| 2**-e)^p``, each term at most 1, so nothing overflows and only
+    negligible terms underflow; ``t`` combined over the mapped axes ``combine``."""
     acc = acc_dtype(x.dtype)
-    m = _pmax(_max_abs(x, axes, acc, native), combine)
     e = frexp(m)[1]
     good = (m > 0) & jnp.isfinite(m)
     half = jnp.floor(-e / 2)
     factors = (_pow2(half, acc), _pow2(-e - half, acc))  # 2**-e as two normal parts
     x, factors = lax.optimization_barrier((x, factors))  # no materialised broadcast
     t = _psum(_reduce(x, _scaled_elem(p, acc), axes, "sum", native, factors), combine)
-    return m, jnp.where(good, e, -jnp.inf), t
+    return jnp.where(good, e, -jnp.inf), t
 
 
 def _scaled_elem(p: float, acc: np.dtype) -> Elem:
@@ -708,12 +707,26 @@ def _unit_norms_body(
         return [_root_norm(s, p) for s in sums]
 
     def scaled() -> list[Norm]:
-        out = []
-        for x, a, b, c, f, ok in zip(units, axes, bucketed, combines, fast(), oks):
-            m, e, t = _scaled_parts(x, p, a, _native(x, b, rare=True), c)
+        # Per unit: only a unit with a slice out of range reads its data again, and only
+        # to find its maxima when those slices are all zeros (a frozen leaf, unused rows).
+        return [
+            lax.cond(jnp.all(ok), lambda f=f: f, functools.partial(rare, x, a, b, c, f, ok))
+            for x, a, b, c, f, ok in zip(units, axes, bucketed, combines, fast(), oks)
+        ]
+
+    def rare(x: Array, a: Axes, b: bool, c: Combine, f: Norm, ok: Array) -> Norm:
+        native = _native(x, b, rare=True)
+        m = _pmax(_max_abs(x, a, acc_dtype(x.dtype), native), c)
+
+        def zeros() -> Norm:
+            return Norm(jnp.where(ok, f.frac, 0), jnp.where(ok, f.exp, 0))
+
+        def parts() -> Norm:
+            e, t = _scaled_parts(x, p, a, native, m, c)
             n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0)))
-            out.append(Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp)))
-        return out
+            return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
+
+        return lax.cond(jnp.all(ok | (m == 0)), zeros, parts)
 
     return lax.cond(all_ok, fast, scaled)
 
