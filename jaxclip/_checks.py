@@ -249,8 +249,9 @@ def check_percentile(percentile: Any, fn: str) -> None:
 
 
 def check_callable(value: Any, name: str, fn: str, signature: str) -> None:
-    """An optional callable such as ``group(path, leaf) -> label``."""
-    if value is not None and not callable(value):
+    """An optional callable such as ``group(path, leaf) -> label`` (or a
+    :class:`~jaxclip.Selector` wrapping one)."""
+    if value is not None and not callable(value) and not isinstance(value, _tree.Selector):
         raise HyperparameterTypeError(
             f"jaxclip.{fn}: {name}={value!r} is a {type(value).__name__}, not a callable; pass "
             f"a function {signature}, or None."

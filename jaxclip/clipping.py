@@ -179,7 +179,7 @@ def clip_tree_by_global_norm(
     axis_name: _norms.AxisName = None,
     use_norm: ArrayLike | None = None,
     error_if_nonfinite: bool = False,
-    group: Callable[[str, Any], Hashable] | None = None,
+    group: Callable[[str, Any], Hashable] | _tree.Selector | None = None,
 ) -> tuple[PyTree, Any]:
     """Scales all selected leaves together so that their joint norm is at most ``clip_norm``.
 
@@ -250,10 +250,11 @@ def _rescaled(
 
 
 def _group_labels(
-    group: Callable[[str, Any], Hashable], sel: _tree.Selection
+    group: Callable[[str, Any], Hashable] | _tree.Selector, sel: _tree.Selection
 ) -> tuple[list[Hashable], list[Hashable]]:
     """The distinct labels (first-seen order) and the label of each selected leaf."""
-    per_leaf = [group(path, x) for path, x in zip(sel.chosen_paths, sel.chosen)]
+    label_of = _tree.as_function(group)
+    per_leaf = [label_of(path, x) for path, x in zip(sel.chosen_paths, sel.chosen)]
     for path, label in zip(sel.chosen_paths, per_leaf):
         if label is None:
             raise TypeError(
@@ -263,7 +264,9 @@ def _group_labels(
     return list(dict.fromkeys(per_leaf)), per_leaf
 
 
-def _check_same_groups(init_norms: Any, norms: dict, updates: PyTree, group: Callable) -> None:
+def _check_same_groups(
+    init_norms: Any, norms: dict, updates: PyTree, group: Callable | _tree.Selector
+) -> None:
     """A ValueError naming a group (and a leaf of it) when ``update``'s groups differ from
     the ones in the state ``init`` built, so that the states would not match."""
     if not isinstance(init_norms, dict) or set(init_norms) == set(norms):
@@ -279,7 +282,7 @@ def _check_same_groups(init_norms: Any, norms: dict, updates: PyTree, group: Cal
     label, example = missing[0], ""
     for path, leaf in _tree.leaves_by_path(updates).items():
         try:
-            if group(path, leaf) == label:
+            if _tree.as_function(group)(path, leaf) == label:
                 example = f" (e.g. the leaf at {_tree.shown(path)})"
                 break
         except (TypeError, ValueError, AttributeError, KeyError, IndexError):
@@ -426,7 +429,7 @@ def clip_by_global_norm(
     need_clip: _tree.NeedClip = None,
     axis_name: _norms.AxisName = None,
     error_if_nonfinite: bool = False,
-    group: Callable[[str, Any], Hashable] | None = None,
+    group: Callable[[str, Any], Hashable] | _tree.Selector | None = None,
 ) -> optax.GradientTransformation:
     """Scales all selected updates together so that their joint norm is at most ``clip_norm``.
 
