@@ -81,13 +81,29 @@ NormType = float | StaticDefault
 StaticInt = int | StaticDefault
 
 
+def static_hint(name: str, fn: str | None = None) -> str:
+    """What to do when ``optax.inject_hyperparams`` has made a static argument an array."""
+    where = f"jaxclip.{fn}" if fn else "the jaxclip transform"
+    return (
+        "optax.inject_hyperparams turns every numeric argument into a JAX array (traced under "
+        f"jit); keep {name} a Python value with static_args: "
+        f"optax.inject_hyperparams({where}, static_args=({name!r},))(...)"
+    )
+
+
+def _is_traced(value: Any) -> bool:
+    """A traced JAX array (e.g. a hyperparameter that ``inject_hyperparams`` put in the
+    state), where a static Python value is needed."""
+    return isinstance(value, jax.Array) and concrete(value) is None
+
+
 def check_norm_type(norm_type: Any) -> float:
     """``norm_type`` as a float, or a ValueError saying what is accepted."""
     if concrete(norm_type) is None:
         raise ValueError(
-            "jaxclip: norm_type must be a static Python number, not a traced array (it "
-            "decides the computation). With optax.inject_hyperparams, pass "
-            "static_args=('norm_type',)."
+            f"jaxclip: norm_type={_show(norm_type)} is traced; it must be a static Python "
+            "number (it decides the computation), e.g. 2.0 or float('inf'). "
+            f"{static_hint('norm_type')}."
         )
     try:
         p = float(norm_type)
@@ -260,6 +276,11 @@ def check_callable(value: Any, name: str, fn: str, signature: str) -> None:
 
 def static_int(value: Any, name: str, fn: str) -> int:
     """A buffer size: a Python int >= 1 (not traced; it fixes the state's shape)."""
+    if _is_traced(value):
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={_show(value)} is traced; it must be a Python int >= 1 "
+            f"(it sizes the state). {static_hint(name, fn)}."
+        )
     if isinstance(value, (bool, np.bool_)):
         n = None
     else:
@@ -369,6 +390,12 @@ def check_axes(axes: Any, fn: str = "clip_by_norm") -> tuple[int, ...] | None:
     """``axes`` as a tuple of Python ints (None stays None), or a clear error."""
     if axes is None:
         return None
+    if _is_traced(axes):
+        raise HyperparameterTypeError(
+            f"jaxclip.{fn}: axes={_show(axes)} is traced; axes decides the shapes of the "
+            "computation, so it must be a static Python int or tuple of ints, e.g. axes=1. "
+            f"{static_hint('axes', fn)}."
+        )
     bad = HyperparameterTypeError(
         f"jaxclip.{fn}: axes={axes!r} must be an int or a sequence of ints, e.g. axes=1 or "
         "axes=(0, 1) (as tf.clip_by_norm), or None for whole leaves."
