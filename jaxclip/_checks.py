@@ -38,6 +38,31 @@ class HyperparameterTypeError(TypeError, ValueError):
     """
 
 
+class NonFiniteNormError(FloatingPointError, jax.errors.JaxRuntimeError):
+    """A norm was inf or NaN and the mode was built with ``error_if_nonfinite=True``.
+
+    Catch ``jax.errors.JaxRuntimeError`` to catch it in every execution mode, with the
+    same message text:
+
+    - eagerly (the norm is concrete), this exception is raised as is: it is also a
+      ``FloatingPointError`` (what PyTorch's ``clip_grad_norm_`` raises) and a
+      ``jax.errors.JaxRuntimeError``;
+    - under ``jit`` (also inside ``optax.chain``, ``scan``, ``nnx.jit``, ``eqx.filter_jit``),
+      the check runs in a host callback and JAX reports any exception raised there as a
+      plain ``jax.errors.JaxRuntimeError`` whose message contains
+      ``NonFiniteNormError: <this message>``. JAX offers no way to raise another type out
+      of a compiled computation (``checkify`` needs the caller to wrap the function in
+      ``checkify.checkify`` and call ``err.throw()``), so ``except NonFiniteNormError``
+      alone catches the eager case only.
+    """
+
+    __module__ = "jaxclip"  # shown as jaxclip.NonFiniteNormError in tracebacks
+
+    def __init__(self, message: str) -> None:
+        # JaxRuntimeError's (nanobind) __init__ keeps the message its __str__ shows.
+        jax.errors.JaxRuntimeError.__init__(self, message)
+
+
 _TRACED = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
 
 
