@@ -321,8 +321,13 @@ def clip_by_value(
         ``ParamAttr(need_clip=...)``; a bool may also stand over an empty ``{}``,
         ``None`` or ``optax.MaskedNode`` subtree), or a function
         ``need_clip(path, leaf) -> bool`` where ``path`` is ``"/"``-joined, e.g.
-        ``"linear/bias"``. A callable pytree whose leaves are all bools, such as an
-        Equinox module built with ``jax.tree.map(lambda _: True, model)``, is a mask,
+        ``"linear/bias"``, as users name the leaf (Flax NNX's ``l1/bias``, without the
+        ``value`` of its Variables), or a rule such as
+        :func:`~jaxclip.exclude_biases_and_norms`, :func:`~jaxclip.exclude_names` or
+        :func:`~jaxclip.min_rank` (a :class:`~jaxclip.Selector`, which also passes
+        through ``optax.inject_hyperparams`` untouched; a plain function there needs
+        ``static_args=("need_clip",)``). A callable pytree whose leaves are all bools,
+        such as an Equinox module built with ``jax.tree.map(lambda _: True, model)``, is a mask,
         not a function. A function is called on the params in ``init`` and on the
         updates in ``update``: select by path or shape, not by dtype or value, so that
         both select the same leaves (where the states would then differ,
@@ -373,7 +378,8 @@ def clip_by_norm(
         updates) must select the same leaves; ``update`` raises a ValueError naming the
         first leaf where the state it is given says otherwise.
       error_if_nonfinite: raise, also under ``jit``, when a norm is inf or NaN; costs a
-        device-to-host transfer and a sync per step.
+        device-to-host transfer and a sync per step. Catch ``jax.errors.JaxRuntimeError``
+        (see :class:`~jaxclip.NonFiniteNormError`).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`ClipByNormState`.
@@ -436,7 +442,8 @@ def clip_by_global_norm(
     With ``n`` the norm of all selected leaves as one vector: if ``n <= clip_norm`` the
     updates are returned bit for bit, else multiplied by ``clip_norm / n`` (no epsilon:
     Paddle and TensorFlow agree exactly, PyTorch to within its ``1e-6``). The pre-clip
-    norm is kept in the state, so ``optax.tree.get(state, "global_norm")`` logs it.
+    norm is kept in the state: :func:`~jaxclip.clip_stats` (or, with a single jaxclip mode
+    in the chain, ``optax.tree.get(state, "global_norm")``) logs it.
 
     The counterpart of Paddle's ``ClipGradByGlobalNorm``, PyTorch's
     ``clip_grad_norm_(params, max_norm, norm_type)``, ``tf.clip_by_global_norm`` and
@@ -451,7 +458,8 @@ def clip_by_global_norm(
       axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over which the
         updates are sharded; not needed under ``jit`` with sharded arrays.
       error_if_nonfinite: raise, also under ``jit``, when the global norm is inf or NaN;
-        costs a device-to-host transfer and a sync per step.
+        costs a device-to-host transfer and a sync per step. Catch
+        ``jax.errors.JaxRuntimeError`` (see :class:`~jaxclip.NonFiniteNormError`).
       group: a callable ``group(path, leaf) -> label`` (Paddle's ``group_name``): each
         label's leaves are clipped by their own global norm, and the state holds a dict
         label -> norm. ``init`` (on the params) and ``update`` (on the updates) must find
