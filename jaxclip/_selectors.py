@@ -121,12 +121,19 @@ def _name(path: str) -> str:
     return path.rsplit("/", 1)[-1]
 
 
-def _check_strings(values: tuple[Any, ...], fn: str, what: str) -> None:
+def _check_strings(values: tuple[Any, ...], fn: str, *, patterns: bool = False) -> None:
+    """Names (str) or, with ``patterns``, globs (str) and compiled regular expressions."""
+    what = "glob pattern (a str) or compiled regular expression" if patterns else "name (a str)"
     if not values:
         raise ValueError(f"jaxclip.{fn}: pass at least one {what}.")
+    allowed = (str, re.Pattern) if patterns else (str,)
     for v in values:
-        if not isinstance(v, (str, re.Pattern)) or (isinstance(v, re.Pattern) and fn != "by_path"):
-            raise TypeError(f"jaxclip.{fn}: {v!r} is a {type(v).__name__}, not a {what} (a str).")
+        if not isinstance(v, allowed):
+            raise TypeError(
+                f"jaxclip.{fn}: {v!r} of type {type(v).__name__} is not a parameter {what}."
+                if not patterns
+                else f"jaxclip.{fn}: {v!r} of type {type(v).__name__} is not a {what}."
+            )
 
 
 def by_name(*names: str) -> Selector:
@@ -146,7 +153,7 @@ def by_name(*names: str) -> Selector:
       >>> jaxclip.global_norm(grads, need_clip=~jaxclip.by_name("bias"))  # the kernel only
       Array(4., dtype=float32)
     """
-    _check_strings(names, "by_name", "parameter name")
+    _check_strings(names, "by_name")
     wanted = frozenset(names)
     return Selector(
         lambda path, leaf: _name(path) in wanted, f"by_name({', '.join(map(repr, names))})"
@@ -171,7 +178,7 @@ def exclude_names(*names: str) -> Selector:
       >>> jaxclip.global_norm(grads, need_clip=jaxclip.exclude_names("bias"))
       Array(4., dtype=float32)
     """
-    _check_strings(names, "exclude_names", "parameter name")
+    _check_strings(names, "exclude_names")
     return ~by_name(*names)
 
 
@@ -195,7 +202,7 @@ def by_path(*patterns: str | re.Pattern[str]) -> Selector:
       >>> rule.matches("layers/3/weight", None)
       False
     """
-    _check_strings(patterns, "by_path", "glob pattern or compiled regular expression")
+    _check_strings(patterns, "by_path", patterns=True)
     compiled = [
         p if isinstance(p, re.Pattern) else re.compile(fnmatch.translate(p)) for p in patterns
     ]
@@ -224,7 +231,7 @@ def exclude_paths(*patterns: str | re.Pattern[str]) -> Selector:
       >>> jaxclip.global_norm(grads, need_clip=jaxclip.exclude_paths("emb/*"))
       Array(2., dtype=float32)
     """
-    _check_strings(patterns, "exclude_paths", "glob pattern or compiled regular expression")
+    _check_strings(patterns, "exclude_paths", patterns=True)
     return ~by_path(*patterns)
 
 

@@ -51,11 +51,13 @@ def _is_stop(x: Any) -> bool:
 def _visit(state: Any, where: str, out: dict[str, jax.Array]) -> None:
     """Reports a jaxclip (or injected-hyperparameter) state found at ``where``."""
     if _is_injected(state):
+        inner: dict[str, jax.Array] = {}
+        _walk(state.inner_state, where, inner)
         if _is_jaxclip_state(state.inner_state):  # a jaxclip mode's injected hyperparameters
             for name, value in state.hyperparams.items():
-                key = _join(where, name)
-                _leaves(key if key not in out else _join(where, "hyperparams", name), value, out)
-        _walk(state.inner_state, where, out)
+                key = _join(where, name)  # (under hyperparams/ where a state field has it)
+                _leaves(key if key not in inner else _join(where, "hyperparams", name), value, out)
+        out.update(inner)
         return
     for name in LOGGED_FIELDS:
         if name in state._fields:

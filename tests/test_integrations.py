@@ -253,7 +253,7 @@ def test_inject_hyperparams_static_arguments_say_what_to_pass():
     tx = optax.inject_hyperparams(jaxclip.clip_by_global_norm, static_args=("need_clip",))(
         clip_norm=1.0, need_clip=lambda path, leaf: path != "b"
     )
-    out, _ = jax.jit(tx.update)(GRADS2, tx.init(GRADS2))
+    out, _ = tx.update(GRADS2, tx.init(GRADS2))
     np.testing.assert_allclose(out["w"], ref.f64(GRADS2["w"]) / 13.0, rtol=1e-6)
     # axes becomes an array: concrete (eager) it works; traced (jit) the error says what
     # to pass.
