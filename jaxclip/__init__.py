@@ -13,12 +13,15 @@ from jaxclip._selectors import exclude_paths as exclude_paths
 from jaxclip._selectors import min_rank as min_rank
 from jaxclip._stats import clip_stats as clip_stats
 from jaxclip.adaptive import AutoClipState as AutoClipState
+from jaxclip.adaptive import HistoryClipState as HistoryClipState
 from jaxclip.adaptive import SkipLargeUpdatesState as SkipLargeUpdatesState
 from jaxclip.adaptive import ZClipState as ZClipState
 from jaxclip.adaptive import adaptive_clip as adaptive_clip
 from jaxclip.adaptive import auto_clip as auto_clip
 from jaxclip.adaptive import clip_tree_adaptive as clip_tree_adaptive
+from jaxclip.adaptive import quantile_clip as quantile_clip
 from jaxclip.adaptive import skip_large_updates as skip_large_updates
+from jaxclip.adaptive import standard_clip as standard_clip
 from jaxclip.adaptive import zclip as zclip
 from jaxclip.clipping import ClipByGlobalNormState as ClipByGlobalNormState
 from jaxclip.clipping import ClipByNormState as ClipByNormState
@@ -29,5 +32,8 @@ from jaxclip.clipping import clip_tree_by_global_norm as clip_tree_by_global_nor
 from jaxclip.clipping import clip_tree_by_norm as clip_tree_by_norm
 from jaxclip.clipping import clip_tree_by_value as clip_tree_by_value
 from jaxclip.clipping import global_norm as global_norm
+from jaxclip.per_example import ClipPerExampleState as ClipPerExampleState
+from jaxclip.per_example import clip_per_example as clip_per_example
+from jaxclip.per_example import clip_tree_per_example as clip_tree_per_example
 
 __version__ = "0.1.0"

@@ -460,3 +460,63 @@ def leaf_axes(axes: tuple[int, ...] | None, leaf: Array, path: str) -> tuple[int
             f"({leaf.ndim} axes, so a negative and a positive index meet); name each axis once."
         )
     return normalized
+
+
+def check_count(value: Any, name: str, fn: str) -> None:
+    """A count of steps: an int >= 0 (a Python int or an integer array; traced is fine)."""
+    v = None if isinstance(value, (bool, np.bool_)) else concrete(value)
+    if isinstance(value, (bool, np.bool_)) or (
+        v is not None and not (v.shape == () and np.issubdtype(v.dtype, np.integer) and v >= 0)
+    ):
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={value!r} must be an int >= 0 (a count of steps), or None."
+        )
+
+
+def check_quantile(quantile: Any, fn: str) -> None:
+    """The autoclip package's ``quantile`` of the past norms, in [0, 1]."""
+    v = _real(quantile, "quantile", fn, "a real number in [0, 1], e.g. 0.9")
+    if v is not None and not 0 <= v <= 1:
+        raise ValueError(
+            f"jaxclip.{fn}: quantile={quantile!r} must be in [0, 1] (the quantile of the past "
+            "norms used as the threshold; the autoclip package's default is 0.9; for a "
+            "percentile p, pass p / 100)."
+        )
+
+
+def check_deviations(deviations: Any, fn: str) -> None:
+    """The autoclip package's ``deviations``: the threshold in standard deviations."""
+    v = _real(deviations, "deviations", fn, "a real number >= 0, e.g. 2.0")
+    if v is not None and not (v >= 0 and np.isfinite(v)):
+        raise ValueError(
+            f"jaxclip.{fn}: deviations={deviations!r} must be finite and >= 0 (the threshold is "
+            "deviations times the standard deviation of the past norms; the autoclip "
+            "package's default is 2.0)."
+        )
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...], fn: str) -> str:
+    """One of a few option strings (case-insensitive, as the reference packages)."""
+    v = value.lower() if isinstance(value, str) else value
+    if v not in choices:
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={value!r} must be one of {', '.join(map(repr, choices))}."
+        )
+    return v
+
+
+def check_positive(value: Any, name: str, fn: str, meaning: str) -> None:
+    """A real scalar > 0 (``meaning`` says what it does, for the message)."""
+    v = _real(value, name, fn, "a real number > 0")
+    if v is not None and not v > 0:  # also catches NaN
+        raise ValueError(f"jaxclip.{fn}: {name}={value!r} must be > 0 ({meaning}).")
+
+
+def check_cap(value: Any, name: str, fn: str) -> None:
+    """An optional fixed cap on the global norm (ZClip's ``max_grad_norm``)."""
+    v = _real(value, name, fn, "a real number > 0, or None for no cap")
+    if v is not None and not v > 0:
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={value!r} must be > 0 (a fixed cap on the global norm of "
+            f"every step); for no cap, pass {name}=None."
+        )

@@ -51,6 +51,9 @@ Array = jax.Array
 AxisName = None | str | tuple[str, ...]
 Axes = tuple[int, ...] | None
 Elem = Callable[[Array, Any], Array]
+#: The mapped axes over which a partial norm is combined (see :func:`combine_axes`).
+Combine = tuple[str, ...]
+Shape = tuple[int, ...]
 
 #: Leaves at most this many bytes may be copied into a bucket before a global reduction.
 BUCKET_MAX_BYTES = 64 * 1024
@@ -184,9 +187,10 @@ def root(s: Array, p: float) -> Array:
 
 
 def _exact_range(s: Array, acc: np.dtype) -> Array:
-    """Whether a power sum accumulated in ``acc`` is exact as it stands (no overflow, no
-    lost underflow): elements whose power underflowed lose at most ``n * tiny`` in all,
-    far below an ulp of any sum above ``tiny * 2**64`` for a realistic ``n``."""
+    """Whether a power sum of :func:`_power_sum` accumulated in ``acc`` is exact as it
+    stands (no overflow, no lost underflow): elements whose power underflowed lose at most
+    ``n * tiny`` in all, far below an ulp of any sum above ``tiny * 2**64`` for a
+    realistic ``n``."""
     lo = float(np.finfo(acc).tiny) * 2.0**64
     return (s >= lo) & (s < jnp.inf)
 
@@ -203,7 +207,22 @@ def _reduction_view(arrays: Sequence[Array]) -> list[Array]:
     the reductions through a barrier (a no-op alias) keeps each upcast fused into its
     own consumer, so no temporary exists.
     """
-    return list(lax.optimization_barrier(list(arrays))) if arrays else []
+    return _barrier(arrays)[0]
+
+
+def _barrier(arrays: Sequence[Array], extra: Any = None) -> tuple[list[Array], list[Any]]:
+    """``optimization_barrier`` of ``arrays`` (and a copy of ``extra`` per array), one
+    barrier per set of varying mesh axes: inside ``shard_map`` a single barrier would
+    make every array vary across the union of their axes."""
+    groups: dict[frozenset[str], list[int]] = {}
+    for i, x in enumerate(arrays):
+        groups.setdefault(_varying(x), []).append(i)
+    out, extras = list(arrays), [extra] * len(arrays)
+    for members in groups.values():
+        xs, e = lax.optimization_barrier(([arrays[i] for i in members], extra))
+        for i, x in zip(members, xs):
+            out[i], extras[i] = x, e
+    return out, extras
 
 
 def _native(x: Array, bucketed: bool, rare: bool = False, p: float = 2.0) -> bool:
@@ -304,18 +323,21 @@ def _power_sum(x: Array, p: float, axes: Axes, native: bool) -> Array:
     return _reduce(x, lambda v, _: _power_abs(v, p, acc), axes, "sum", native)
 
 
-def _scaled_parts(x: Array, p: float, axes: Axes, native: bool) -> tuple[Array, Array, Array]:
+def _scaled_parts(
+    x: Array, p: float, axes: Axes, native: bool, combine: Combine = ()
+) -> tuple[Array, Array, Array]:
     """The rare path for one array: ``(m, e, t)`` per slice, ``m = max |x|`` with exponent
     ``e`` (float; -inf where ``m`` is 0 or not finite) and ``t = sum (|x| 2**-e)^p``, each
-    term at most 1, so nothing overflows and only negligible terms underflow."""
+    term at most 1, so nothing overflows and only negligible terms underflow; ``m`` and
+    ``t`` combined over the mapped axes ``combine``."""
     acc = acc_dtype(x.dtype)
-    m = _max_abs(x, axes, acc, native)
+    m = _pmax(_max_abs(x, axes, acc, native), combine)
     e = frexp(m)[1]
     good = (m > 0) & jnp.isfinite(m)
     half = jnp.floor(-e / 2)
     factors = (_pow2(half, acc), _pow2(-e - half, acc))  # 2**-e as two normal parts
     x, factors = lax.optimization_barrier((x, factors))  # no materialised broadcast
-    t = _reduce(x, _scaled_elem(p, acc), axes, "sum", native, factors)
+    t = _psum(_reduce(x, _scaled_elem(p, acc), axes, "sum", native, factors), combine)
     return m, jnp.where(good, e, -jnp.inf), t
 
 
@@ -372,12 +394,93 @@ def _special(m: Array, norm: Norm) -> Norm:
     return Norm(frac, jnp.where(good, norm.exp, 0).astype(norm.frac.dtype))
 
 
-def _psum(x: Array, axis_name: AxisName) -> Array:
-    return lax.psum(x, axis_name) if axis_name not in (None, ()) else x
+def _psum(x: Any, axes: tuple[str, ...]) -> Any:
+    return lax.psum(x, axes) if axes else x
 
 
-def _pmax(x: Array, axis_name: AxisName) -> Array:
-    return lax.pmax(x, axis_name) if axis_name not in (None, ()) else x
+def _pmax(x: Array, axes: tuple[str, ...]) -> Array:
+    """``pmax`` that keeps NaN (XLA:CPU's cross-device max drops it)."""
+    if not axes:
+        return x
+    nan = lax.pmax(jnp.isnan(x).astype(jnp.int32), axes) > 0
+    return jnp.where(nan, jnp.nan, lax.pmax(x, axes))
+
+
+# ----------------------------------------------------------------------------------------
+# Devices: over which mapped axes a partial norm is combined.
+
+
+def _varying(x: Any) -> frozenset[str]:
+    """The mesh axes ``x`` varies across inside ``shard_map`` (its type records them)."""
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)
+    if kind is not None:
+        return frozenset(kind.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older JAX
+
+
+def _vma_tracked() -> bool:
+    """Whether JAX tracks varying axes here (``shard_map`` with ``check_vma=True``, its
+    default); under ``pmap`` or ``check_vma=False`` every value looks replicated."""
+    try:
+        from jax._src import config  # no public accessor
+
+        return bool(config._check_vma.value)
+    except (ImportError, AttributeError):
+        return False
+
+
+def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name or ())
+    for name in names:
+        try:
+            lax.axis_size(name)
+        except NameError:
+            manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+            raise NameError(
+                f"jaxclip: axis_name {name!r} is not a mapped axis here (unbound axis name). "
+                + (
+                    f"Inside this shard_map the axes are {manual}; "
+                    if manual
+                    else "Use axis_name only inside shard_map, pmap or a named vmap; "
+                )
+                + "inside shard_map jaxclip combines each leaf over the axes it varies "
+                "across without axis_name."
+            ) from None
+    return names
+
+
+def combine_axes(x: Any, axis_name: AxisName, whole: bool, path: str = "") -> Combine:
+    """The mapped axes over which ``x``'s partial norms are summed (or maxed).
+
+    Inside ``shard_map`` (``check_vma=True``) a whole-array norm is combined over exactly
+    the mesh axes ``x`` varies across: a replicated leaf counts once, a tensor-parallel
+    shard over its axis. ``axis_name`` overrides (``pmap``, named ``vmap``,
+    ``check_vma=False``); where JAX tracks varying axes, a mesh axis ``x`` does not vary
+    across is still left out (a replicated leaf is never counted once per device).
+    ``axis_name=()`` combines nothing.
+
+    A per-slice norm (``whole=False``) of a varying ``x`` needs ``axis_name``: the local
+    block's shape does not say whether the reduced or the kept dimensions are split.
+    """
+    tracked = _vma_tracked()
+    varying = _varying(x) if tracked else frozenset()
+    if axis_name is None:
+        if varying and not whole:
+            where = f"leaf {path!r}" if path else "a leaf"
+            raise ValueError(
+                f"jaxclip: {where} varies across mesh axes {tuple(sorted(varying))} inside "
+                "shard_map, and its norms are per slice: jaxclip cannot tell whether the "
+                "reduced dimensions are split across devices. Pass axis_name= the mesh "
+                "axes that split the reduced dimensions (their partial norms are summed), "
+                "or axis_name=() if every slice is whole on each device."
+            )
+        return tuple(sorted(varying))
+    names = _axis_names(axis_name)
+    if not tracked:
+        return names
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return tuple(n for n in names if n in varying or n not in manual)
 
 
 # ----------------------------------------------------------------------------------------
@@ -421,24 +524,37 @@ def _dnorm(norm: Norm, dn: Array) -> tuple[Array, Array]:
 
 
 def _slice_unit_norms(
-    leaves: Sequence[Array], p: float, axes: tuple[Axes, ...], bucket: bool
+    leaves: Sequence[Array],
+    p: float,
+    axes: tuple[Axes, ...],
+    bucket: bool,
+    axis_name: AxisName,
+    paths: tuple[str, ...] | None,
 ) -> tuple[list[Norm], list[tuple[int, int]]]:
     """The norms of the reduced units (leaves, or buckets of small leaves as rows), and
     per leaf ``(unit, row)`` (row -1 for a whole unit)."""
     units: list[Array] = []
     unit_axes: list[Axes] = []
+    combines: list[Combine] = []
     where: list[tuple[int, int]] = []  # per leaf: (unit, row), row -1 for a whole unit
-    groups: dict[tuple[np.dtype, int], list[int]] = {}
+    groups: dict[tuple[np.dtype, int, Combine], list[int]] = {}
+    names = paths or ("",) * len(leaves)
+    leaf_combines = [
+        combine_axes(x, axis_name, a is None or len(a) == x.ndim, path)
+        for x, a, path in zip(leaves, axes, names)
+    ]
     leaves = _reduction_view(leaves)
-    for i, (x, a) in enumerate(zip(leaves, axes)):
+    for i, (x, a, c) in enumerate(zip(leaves, axes, leaf_combines)):
         if bucket and a is None and 0 < x.size and _bucketable(x):
-            groups.setdefault((np.dtype(x.dtype), 1 << (x.size - 1).bit_length()), []).append(i)
+            width = 1 << (x.size - 1).bit_length()
+            groups.setdefault((np.dtype(x.dtype), width, c), []).append(i)
             where.append((-1, -1))
         else:
             where.append((len(units), -1))
             units.append(x)
             unit_axes.append(a)
-    for (_, width), members in groups.items():
+            combines.append(c)
+    for (_, width, c), members in groups.items():
         rows = []
         for row, i in enumerate(members):
             x = leaves[i].ravel()
@@ -446,8 +562,11 @@ def _slice_unit_norms(
             where[i] = (len(units), row)
         units.append(_concatenate([r[None] for r in rows]))
         unit_axes.append((1,))
+        combines.append(c)
     bucketed = (False,) * (len(units) - len(groups)) + (True,) * len(groups)
-    norms = _unit_norms(tuple(units), p, tuple(unit_axes), bucketed) if units else []
+    norms = (
+        _unit_norms(tuple(units), p, tuple(unit_axes), bucketed, tuple(combines)) if units else []
+    )
     return norms, where
 
 
@@ -465,13 +584,15 @@ def _per_leaf(
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket"))
+@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket", "axis_name", "paths"))
 def slice_norms(
     leaves: Sequence[Array],
     p: float,
     axes: tuple[Axes, ...],
     *,
     bucket: bool = True,
+    axis_name: AxisName = None,
+    paths: tuple[str, ...] | None = None,
 ) -> list[Norm]:
     """Norms of each leaf over its ``axes`` (all axes when None), with ``keepdims``.
 
@@ -484,15 +605,18 @@ def slice_norms(
       p: the norm type (> 0, or inf).
       axes: per leaf, the axes to reduce (normalised, non-negative), or None for all.
       bucket: bucket small single-device leaves whose ``axes`` is None.
+      axis_name: mapped axes over which partial norms are combined (see
+        :func:`combine_axes`).
+      paths: the leaves' paths, for error messages.
 
     Returns:
       Per leaf, a :class:`Norm` broadcastable against it, in its accumulation dtype.
     """
-    norms, where = _slice_unit_norms(leaves, p, axes, bucket)
+    norms, where = _slice_unit_norms(leaves, p, axes, bucket, axis_name, paths)
     return _per_leaf(leaves, norms, where)
 
 
-@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket"))
+@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket", "axis_name", "paths"))
 def clip_slices(
     leaves: Sequence[Array],
     p: float,
@@ -500,6 +624,8 @@ def clip_slices(
     clip_norm: Any,
     *,
     bucket: bool = True,
+    axis_name: AxisName = None,
+    paths: tuple[str, ...] | None = None,
 ) -> tuple[list[Array], list[Array]]:
     """Each leaf (each slice over its ``axes``) scaled to norm at most ``clip_norm``.
 
@@ -510,7 +636,7 @@ def clip_slices(
       ``(clipped, norms)``: the scaled leaves, and per leaf its norms with the ``axes``
       dimensions removed (a scalar for a whole leaf).
     """
-    norms, where = _slice_unit_norms(leaves, p, axes, bucket)
+    norms, where = _slice_unit_norms(leaves, p, axes, bucket, axis_name, paths)
     per_unit = [(n.value, *clip_scale(n, clip_norm)) for n in norms]
     out, values = [], []
     for x, a, (value, *scale) in zip(leaves, axes, _per_leaf(leaves, per_unit, where)):
@@ -520,18 +646,61 @@ def clip_slices(
 
 
 def _unit_norms_impl(
-    units: tuple[Array, ...], p: float, axes: tuple[Axes, ...], bucketed: tuple[bool, ...]
+    units: tuple[Array, ...],
+    p: float,
+    axes: tuple[Axes, ...],
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
 ) -> list[Norm]:
-    """Norms over ``axes`` (keepdims) of each array, overflow-safe, with one shared cond."""
+    """Norms over ``axes`` (keepdims) of each array, overflow-safe, with one shared cond;
+    partial norms combined over each array's mapped axes (per-slice vectors, no data)."""
+    return _batchable_unit_norms(p, axes, bucketed, combines)(units)
+
+
+@functools.cache
+def _batchable_unit_norms(
+    p: float, axes: tuple[Axes, ...], bucketed: tuple[bool, ...], combines: tuple[Combine, ...]
+) -> Callable[[tuple[Array, ...]], list[Norm]]:
+    """Per-slice norms with their own ``vmap`` rule: the batch axis is one more kept
+    axis, so the cond stays unbatched (a batched cond would run both branches)."""
+
+    @jax.custom_batching.custom_vmap
+    def norms(units: tuple[Array, ...]) -> list[Norm]:
+        return _unit_norms_body(units, p, axes, bucketed, combines)
+
+    @norms.def_vmap
+    def rule(size: int, in_batched: Any, units: tuple[Array, ...]) -> tuple[list[Norm], Any]:
+        units = tuple(
+            u if b else jnp.broadcast_to(u, (size, *u.shape)) for u, b in zip(units, in_batched[0])
+        )
+        shifted = tuple(
+            tuple(range(1, u.ndim)) if a is None else tuple(d + 1 for d in a)
+            for u, a in zip(units, axes)
+        )
+        out = _unit_norms_body(units, p, shifted, bucketed, combines)
+        return out, [Norm._make((True, True)) for _ in out]
+
+    return norms
+
+
+def _unit_norms_body(
+    units: tuple[Array, ...],
+    p: float,
+    axes: tuple[Axes, ...],
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+) -> list[Norm]:
     natives = [_native(x, b, p=p) for x, b in zip(units, bucketed)]
     accs = [acc_dtype(x.dtype) for x in units]
     if p == math.inf:
         out = []
-        for x, a, acc, nat in zip(units, axes, accs, natives):
-            m = _inf_norm(x, a, acc, nat)
+        for x, a, acc, nat, c in zip(units, axes, accs, natives, combines):
+            m = _pmax(_inf_norm(x, a, acc, nat), c)
             out.append(_special(m, _from_root(m, jnp.zeros_like(m))))
         return out
-    sums = [_power_sum(x, p, a, nat) for x, a, nat in zip(units, axes, natives)]
+    sums = [
+        _psum(_power_sum(x, p, a, nat), c) for x, a, nat, c in zip(units, axes, natives, combines)
+    ]
     oks = [_exact_range(s, acc) for s, acc in zip(sums, accs)]
     all_ok = jnp.all(jnp.stack([jnp.all(ok) for ok in oks]))
 
@@ -540,8 +709,8 @@ def _unit_norms_impl(
 
     def scaled() -> list[Norm]:
         out = []
-        for x, a, b, f, ok in zip(units, axes, bucketed, fast(), oks):
-            m, e, t = _scaled_parts(x, p, a, _native(x, b, rare=True))
+        for x, a, b, c, f, ok in zip(units, axes, bucketed, combines, fast(), oks):
+            m, e, t = _scaled_parts(x, p, a, _native(x, b, rare=True), c)
             n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0)))
             out.append(Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp)))
         return out
@@ -549,14 +718,19 @@ def _unit_norms_impl(
     return lax.cond(all_ok, fast, scaled)
 
 
-_unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(1, 2, 3))
+_unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(1, 2, 3, 4))
 
 
 @_unit_norms.defjvp
-def _unit_norms_rule(p: float, axes: tuple, bucketed: tuple, primals: tuple, tangents: tuple):
+def _unit_norms_rule(
+    p: float, axes: tuple, bucketed: tuple, combines: tuple, primals: tuple, tangents: tuple
+):
     (units,), (dunits,) = primals, tangents
-    norms = _unit_norms(units, p, axes, bucketed)
-    outs = [_dnorm(n, _tangent(x, dx, n, p, a)) for x, dx, n, a in zip(units, dunits, norms, axes)]
+    norms = _unit_norms(units, p, axes, bucketed, combines)
+    outs = [
+        _dnorm(n, _psum(_tangent(x, dx, n, p, a), c))
+        for x, dx, n, a, c in zip(units, dunits, norms, axes, combines)
+    ]
     return norms, [Norm(*o) for o in outs]
 
 
@@ -577,20 +751,26 @@ def _one_device(x: Array) -> bool:
     except Exception:  # numpy arrays, Python scalars
         return True
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or getattr(mesh, "size", 0) <= 1:
+    if mesh is None:
         return True
     spec_axes: set[str] = set()
     for entry in getattr(sharding, "spec", ()):
         if entry is None:
             continue
         spec_axes.update(entry if isinstance(entry, tuple) else (entry,))
+    single = getattr(mesh, "size", 0) <= 1
     AxisType = jax.sharding.AxisType
     for name, kind in zip(mesh.axis_names, mesh.axis_types):
         if kind == AxisType.Manual:
             continue  # inside shard_map: x is this device's local block
         if kind == AxisType.Explicit and name not in spec_axes:
             continue  # replicated along this axis
-        return False  # sharded, or Auto (placement decided later by XLA)
+        if kind != AxisType.Explicit and single:
+            continue  # one device: nothing to partition
+        # Sharded, or Auto (placement decided later by XLA); an Explicit sharding is
+        # part of the type even on one device, where reshapes and concatenations with
+        # replicated arrays are type errors.
+        return False
     return True
 
 
@@ -603,22 +783,56 @@ def _concatenate(parts: Sequence[Array]) -> Array:
     return lax.bitcast_convert_type(words, jnp.bfloat16)
 
 
-def _units(leaves: Sequence[Array], bucket: bool) -> tuple[list[Array], list[bool]]:
-    """The arrays to reduce (big or sharded leaves as they are, small ones concatenated),
-    and which of them are buckets."""
+def _units(
+    leaves: Sequence[Array], combines: Sequence[Combine], bucket: bool
+) -> tuple[list[Array], list[bool], list[Combine]]:
+    """The arrays to reduce (big or sharded leaves as they are, small ones concatenated
+    per dtype and mapped axes), which of them are buckets, and their mapped axes."""
     units: list[Array] = []
-    buckets: dict[np.dtype, list[Array]] = {}
-    for x in leaves:
+    where: list[Combine] = []
+    buckets: dict[tuple[np.dtype, Combine], list[Array]] = {}
+    for x, c in zip(leaves, combines):
         x = jnp.asarray(x)
         if x.size == 0:
             continue
         if bucket and _bucketable(x):
-            buckets.setdefault(np.dtype(x.dtype), []).append(x)
+            buckets.setdefault((np.dtype(x.dtype), c), []).append(x)
         else:
             units.append(x)
-    for group in buckets.values():
+            where.append(c)
+    for (_, c), group in buckets.items():
         units.append(group[0] if len(group) == 1 else _concatenate([g.ravel() for g in group]))
-    return units, [False] * (len(units) - len(buckets)) + [True] * len(buckets)
+        where.append(c)
+    return units, [False] * (len(units) - len(buckets)) + [True] * len(buckets), where
+
+
+def _sum_over(
+    values: Sequence[Array], combines: Sequence[Combine], acc: Any, shape: Shape = ()
+) -> Array:
+    """The sum of partial sums (each of ``shape``), each group of equal mapped axes
+    ``psum``-ed once."""
+    groups: dict[Combine, Array] = {}
+    for v, c in zip(values, combines):
+        v = v.reshape(shape).astype(acc)
+        groups[c] = groups[c] + v if c in groups else v
+    total = jnp.zeros(shape, acc)
+    for c, v in groups.items():
+        total = total + _psum(v, c)
+    return total
+
+
+def _max_over(
+    values: Sequence[Array], combines: Sequence[Combine], acc: Any, shape: Shape = ()
+) -> Array:
+    """The max of partial maxima (NaN kept), each group ``pmax``-ed once."""
+    groups: dict[Combine, Array] = {}
+    for v, c in zip(values, combines):
+        v = v.reshape(shape).astype(acc)
+        groups[c] = jnp.maximum(groups[c], v) if c in groups else v
+    total = jnp.zeros(shape, acc)
+    for c, v in groups.items():
+        total = jnp.maximum(total, _pmax(v, c))
+    return total
 
 
 @functools.partial(jax.jit, static_argnames=("p", "axis_name", "bucket"))
@@ -634,19 +848,21 @@ def global_norm_parts(
     Args:
       leaves: floating or complex arrays (already selected by ``need_clip``).
       p: the norm type (> 0, or inf).
-      axis_name: mapped axis name(s) over which the leaves are shards (inside
-        ``shard_map``/``pmap``); partial sums are ``psum``-ed, maxima ``pmax``-ed.
+      axis_name: mapped axis name(s) over which partial norms are combined (see
+        :func:`combine_axes`; by default, inside ``shard_map``, the axes each leaf varies
+        across): partial sums are ``psum``-ed, maxima ``pmax``-ed.
       bucket: concatenate small single-device leaves before reducing.
 
     Returns:
       A scalar :class:`Norm` in the widest accumulation dtype of the leaves.
     """
     acc = result_dtype(leaves)
-    units, bucketed = _units(_reduction_view(leaves), bucket)
+    combines = [combine_axes(x, axis_name, whole=True) for x in leaves]
+    units, bucketed, combines = _units(_reduction_view(leaves), combines, bucket)
     if not units:
         zero = jnp.zeros((), acc)
         return Norm(zero, zero)
-    return _global_norm(tuple(units), p, tuple(bucketed), axis_name)
+    return _global_norm(tuple(units), p, tuple(bucketed), tuple(combines), 0)
 
 
 def global_norm(
@@ -657,22 +873,61 @@ def global_norm(
 
 
 def _global_norm_impl(
-    units: tuple[Array, ...], p: float, bucketed: tuple[bool, ...], axis_name: AxisName
+    units: tuple[Array, ...],
+    p: float,
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+    lead: int,
 ) -> Norm:
+    if lead:
+        return _global_norm_body(units, p, bucketed, combines, lead)
+    return _batchable_global_norm(p, bucketed, combines)(units)
+
+
+@functools.cache
+def _batchable_global_norm(
+    p: float, bucketed: tuple[bool, ...], combines: tuple[Combine, ...]
+) -> Callable[[tuple[Array, ...]], Norm]:
+    """The global norm with its own ``vmap`` rule: a batched ``lax.cond`` would run both
+    branches; the rule computes every example's norm with one unbatched cond (the scaled
+    path only where some example needs it)."""
+
+    @jax.custom_batching.custom_vmap
+    def norm(units: tuple[Array, ...]) -> Norm:
+        return _global_norm_body(units, p, bucketed, combines, 0)
+
+    @norm.def_vmap
+    def rule(size: int, in_batched: Any, units: tuple[Array, ...]) -> tuple[Norm, Any]:
+        units = tuple(
+            u if b else jnp.broadcast_to(u, (size, *u.shape)) for u, b in zip(units, in_batched[0])
+        )
+        return _global_norm_body(units, p, bucketed, combines, 1), Norm._make((True, True))
+
+    return norm
+
+
+def _global_norm_body(
+    units: tuple[Array, ...],
+    p: float,
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+    lead: int,
+) -> Norm:
+    """The norm over all of ``units`` but their ``lead`` leading (batch) axes."""
     acc = result_dtype(units)
+    shape = units[0].shape[:lead]
+    axes = [tuple(range(lead, u.ndim)) if lead else None for u in units]
+
+    def keep(v: Array, u: Array) -> Array:  # a per-example value, to broadcast against u
+        return v.reshape(shape + (1,) * (u.ndim - lead))
+
     natives = [_native(u, b, p=p) for u, b in zip(units, bucketed)]
     if p == math.inf:
-        m = jnp.zeros((), acc)
-        for u, nat in zip(units, natives):
-            m = jnp.maximum(m, _inf_norm(u, None, acc_dtype(u.dtype), nat).reshape(()).astype(acc))
-        if axis_name not in (None, ()):  # pmax drops NaN too: carry it as an int
-            nan = _pmax(jnp.isnan(m).astype(jnp.int32), axis_name) > 0
-            m = jnp.where(nan, jnp.nan, _pmax(m, axis_name))
+        ms = [_inf_norm(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, natives)]
+        m = _max_over(ms, combines, acc, shape)
         return _special(m, _from_root(m, jnp.zeros_like(m)))
-    s = jnp.zeros((), acc)
-    for u, nat in zip(units, natives):
-        s = s + _power_sum(u, p, None, nat).reshape(()).astype(acc)
-    s = _psum(s, axis_name)
+    sums = [_power_sum(u, p, a, nat) for u, a, nat in zip(units, axes, natives)]
+    s = _sum_over(sums, combines, acc, shape)
     # The narrowest accumulation dtype decides: its underflow is what may be lost.
     narrow = min((acc_dtype(u.dtype) for u in units), key=lambda d: d.itemsize)
 
@@ -680,10 +935,8 @@ def _global_norm_impl(
         # Native reductions for 16-bit units (see _native); one scale 2**-e for all, from
         # the largest magnitude m = f * 2**e, applied as two normal factors per dtype.
         rare = [_native(u, b, rare=True) for u, b in zip(units, bucketed)]
-        m = jnp.zeros((), acc)
-        for u, nat in zip(units, rare):
-            m = jnp.maximum(m, _max_abs(u, None, acc_dtype(u.dtype), nat).reshape(()).astype(acc))
-        m = _pmax(m, axis_name)
+        ms = [_max_abs(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, rare)]
+        m = _max_over(ms, combines, acc, shape)
         e = frexp(m)[1]
         half = jnp.floor(-e / 2)
         # 2**-e per accumulation dtype (clamped: parts out of its range are negligible).
@@ -692,31 +945,40 @@ def _global_norm_impl(
         }
         # A second, separately fused read; the factors pass the barrier too, else XLA:CPU
         # materialises their broadcast to the leaves' shape.
-        again, factors = lax.optimization_barrier((units, factors))
-        t = jnp.zeros((), acc)
-        for u, nat in zip(again, rare):
+        again, per_unit = _barrier(units, factors)
+        ts = []
+        for u, a, nat, fs in zip(again, axes, rare, per_unit):
             ua = acc_dtype(u.dtype)
-            t = t + _reduce(u, _scaled_elem(p, ua), None, "sum", nat, factors[ua]).reshape(
-                ()
-            ).astype(acc)
-        return _special(m, _root_norm(_psum(t, axis_name), p, e))
+            f = tuple(keep(v, u) for v in fs[ua])
+            ts.append(_reduce(u, _scaled_elem(p, ua), a, "sum", nat, f))
+        n = _special(m, _root_norm(_sum_over(ts, combines, acc, shape), p, e))
+        if not shape:
+            return n
+        # Examples in range keep the fast result: each one's norm, to the bit, does not
+        # depend on the others in the batch.
+        f = _root_norm(s, p)
+        return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
 
-    return lax.cond(_exact_range(s, narrow), lambda: _root_norm(s, p), scaled)
+    ok = _exact_range(s, narrow)
+    return lax.cond(jnp.all(ok) if shape else ok, lambda: _root_norm(s, p), scaled)
 
 
-_global_norm = jax.custom_jvp(_global_norm_impl, nondiff_argnums=(1, 2, 3))
+_global_norm = jax.custom_jvp(_global_norm_impl, nondiff_argnums=(1, 2, 3, 4))
 
 
 @_global_norm.defjvp
 def _global_norm_rule(
-    p: float, bucketed: tuple, axis_name: AxisName, primals: tuple, tangents: tuple
+    p: float, bucketed: tuple, combines: tuple, lead: int, primals: tuple, tangents: tuple
 ):
     (units,), (dunits,) = primals, tangents
-    norm = _global_norm(units, p, bucketed, axis_name)
-    dn = jnp.zeros((), norm.frac.dtype)
+    norm = _global_norm(units, p, bucketed, combines, lead)
+    shape = norm.frac.shape
+    parts = []
     for u, du in zip(units, dunits):
-        dn = dn + _tangent(u, du, Norm(norm.frac, norm.exp), p, None).reshape(()).astype(dn.dtype)
-    dn = _psum(dn, axis_name)
+        kept = shape + (1,) * (u.ndim - lead)
+        n = Norm(norm.frac.reshape(kept), norm.exp.reshape(kept))
+        parts.append(_tangent(u, du, n, p, tuple(range(lead, u.ndim)) if lead else None))
+    dn = _sum_over(parts, combines, norm.frac.dtype, shape)
     return norm, Norm(*_dnorm(norm, dn))
 
 
@@ -814,3 +1076,34 @@ def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:
         jax.debug.callback(check, *values)
     else:
         check(*concrete)
+
+
+# ----------------------------------------------------------------------------------------
+# Per-example norms (clip_per_example): one norm per example over many batched leaves.
+
+
+@functools.partial(jax.jit, static_argnames=("p",))
+def per_example_norm_parts(leaves: Sequence[Array], p: float) -> Norm:
+    """Per example ``b``, the p-norm of all ``leaves[i][b]`` together (axis 0 is the batch).
+
+    The per-example counterpart of :func:`global_norm_parts`: per leaf, a power sum over
+    every axis but 0, summed over the leaves per example, then the root; one ``lax.cond``
+    for the whole batch takes the scaled path (each example scaled by the power of two of
+    its own largest magnitude) only when some example's sum is out of exact range.
+
+    Args:
+      leaves: floating or complex arrays, each of shape ``(batch, ...)``, one batch size.
+      p: the norm type (> 0, or inf).
+
+    Returns:
+      A :class:`Norm` of shape ``(batch,)`` in the widest accumulation dtype of the leaves.
+    """
+    # One reduced axis per example (a free reshape of a row-major leaf): XLA:CPU reduces
+    # (B, n) 1.6x faster than (B, n1, n2) over two axes. Not for sharded leaves, whose
+    # merged axes XLA could gather.
+    flat = [
+        x.reshape(x.shape[0], math.prod(x.shape[1:])) if _one_device(x) and x.ndim != 2 else x
+        for x in (jnp.asarray(x) for x in leaves)
+    ]
+    units = tuple(_reduction_view(flat))
+    return _global_norm(units, p, (False,) * len(units), ((),) * len(units), 1)

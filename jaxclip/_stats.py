@@ -10,7 +10,7 @@ from jax import tree_util as jtu
 from jaxclip import _tree
 
 #: The state fields that ``clip_stats`` reports, where a jaxclip state has them.
-LOGGED_FIELDS = ("global_norm", "norms", "threshold", "skipped")
+LOGGED_FIELDS = ("global_norm", "norms", "norm", "threshold", "skipped", "clipped_fraction")
 #: Keys of wrapper states that name no position and are left out of the keys.
 _WRAPPER_KEYS = frozenset({"inner_state", "inner_opt_state"})
 

@@ -7,6 +7,7 @@ its statistics in a ``NamedTuple`` state whose fields ``optax.tree.get`` finds.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -25,29 +26,49 @@ _WINDOW = _checks.StaticDefault(1000)
 _WARMUP = _checks.StaticDefault(25)
 
 
-def _unit_axes(ndim: int) -> tuple[int, ...] | None:
-    """The paper's units: vectors and scalars whole; else one unit per output channel
-    (the last axis), i.e. the norm over all other axes ((in, out) -> 0, HWIO -> 0, 1, 2)."""
-    return None if ndim <= 1 else tuple(range(ndim - 1))
+def _unit_axes(shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """NFNets' units (``unitwise_norm`` in deepmind-research ``nfnets/optim.py``, as
+    ``optax.adaptive_grad_clip``): a leaf whose squeezed rank is <= 1 (scalars, vectors,
+    ``(1, n)``) is one unit; rank 2 (IO) and 3 (multi-head IO) reduce axis 0; rank 4 (HWIO)
+    axes (0, 1, 2); rank 5 (DHWIO, optax) and beyond every axis but the last."""
+    if sum(d != 1 for d in shape) <= 1:
+        return None
+    return (0,) if len(shape) in (2, 3) else tuple(range(len(shape) - 1))
 
 
 def adaptive_clip(
-    clipping: float, eps: float = 1e-3, *, axes: Axes = None, need_clip: _tree.NeedClip = None
+    clipping: float,
+    eps: float = 1e-3,
+    *,
+    axes: Axes = None,
+    need_clip: _tree.NeedClip = None,
+    axis_name: _norms.AxisName = None,
 ) -> optax.GradientTransformation:
     """Adaptive Gradient Clipping: each unit's gradient norm is clipped to
     ``clipping * max(||param unit||, eps)``.
 
-    Units are as in the paper: per output unit, i.e. for an ``(in, out)`` kernel the norm
-    over axis 0, for an HWIO conv kernel over axes (0, 1, 2); vectors and scalars whole.
-    ``axes`` overrides that for every selected leaf. Agrees with
-    ``optax.adaptive_grad_clip`` where both apply (optax guards ``g_norm`` with ``1e-6``).
+    Units are those of the NFNets reference (``unitwise_norm``) and of
+    ``optax.adaptive_grad_clip``: a leaf whose squeezed rank is <= 1 (a scalar, a vector, a
+    ``(1, n)`` or ``(n, 1)`` matrix) is one unit; a rank-2 ``(in, out)`` kernel and a
+    rank-3 multi-head kernel reduce axis 0 (one unit per index of the other axes); a
+    rank-4 HWIO conv kernel reduces axes (0, 1, 2); rank 5 (DHWIO) and higher reduce every
+    axis but the last (optax stops at 5, NFNets at 4). ``axes`` overrides that for every
+    selected leaf (optax's ``axis``). Equal to ``optax.adaptive_grad_clip`` to rounding:
+    a unit is left unchanged where ``||g|| <= limit`` (optax: ``<``) and is otherwise
+    scaled by ``limit / ||g||`` (optax: ``limit / max(||g||, 1e-6)``, which differs only
+    for units of norm below 1e-6 -- which the limit, at least ``clipping * eps``, rarely
+    clips).
 
     Args:
       clipping: the largest allowed ratio of gradient norm to parameter norm, > 0.
       eps: the smallest parameter norm used, so zero-initialised units still move;
         finite and > 0.
-      axes: the axes a unit's norm is taken over, for every leaf; None for the defaults.
+      axes: the axes a unit's norm is taken over, for every leaf; None for the reference's
+        units (above).
       need_clip: which leaves are clipped (see :func:`jaxclip.clip_by_value`).
+      axis_name: inside ``shard_map``, for units of a leaf split across devices: the
+        mesh axes that split the reduced dimensions (see :func:`jaxclip.clip_by_norm`);
+        a leaf that is one unit needs none.
 
     Returns:
       An ``optax.GradientTransformation`` (``optax.EmptyState``) whose ``update`` needs
@@ -57,15 +78,16 @@ def adaptive_clip(
     Example:
       >>> import jax.numpy as jnp, jaxclip
       >>> tx = jaxclip.adaptive_clip(0.5)
-      >>> params = {"w": jnp.array([[0.0], [4.0]])}   # one unit (column), norm 4
-      >>> grads = {"w": jnp.array([[0.0], [16.0]])}   # norm 16 > 0.5 * 4
+      >>> params = {"w": jnp.array([[0.0, 3.0], [4.0, 4.0]])}   # units: columns, norms 4, 5
+      >>> grads = {"w": jnp.array([[0.0, 0.3], [16.0, 0.4]])}   # norms 16 > 0.5 * 4, 0.5
       >>> tx.update(grads, tx.init(params), params)[0]["w"]
-      Array([[0.],
-             [2.]], dtype=float32)
+      Array([[0. , 0.3],
+             [2. , 0.4]], dtype=float32)
 
     References:
       Brock et al., `High-Performance Large-Scale Image Recognition Without
-      Normalization <https://arxiv.org/abs/2102.06171>`_, 2021
+      Normalization <https://arxiv.org/abs/2102.06171>`_, 2021; ``unitwise_norm`` and
+      ``SGD_AGC`` in google-deepmind/deepmind-research ``nfnets/optim.py``
     """
     _checks.check_clipping(clipping, "adaptive_clip")
     _checks.check_eps(eps, "adaptive_clip")
@@ -76,7 +98,9 @@ def adaptive_clip(
             raise ValueError(
                 "jaxclip.adaptive_clip needs the parameters: call update(grads, state, params)."
             )
-        return clip_tree_adaptive(updates, params, clipping, eps, axes=axes, need_clip=need_clip)
+        return clip_tree_adaptive(
+            updates, params, clipping, eps, axes=axes, need_clip=need_clip, axis_name=axis_name
+        )
 
     return optax.stateless(clip)
 
@@ -89,6 +113,7 @@ def clip_tree_adaptive(
     *,
     axes: Axes = None,
     need_clip: _tree.NeedClip = None,
+    axis_name: _norms.AxisName = None,
 ) -> PyTree:
     """Clips each unit of ``tree`` to ``clipping * max(||unit of params||, eps)`` (AGC).
 
@@ -102,6 +127,8 @@ def clip_tree_adaptive(
       axes: the axes a unit's norm is taken over, for every leaf; None for the defaults
         of :func:`adaptive_clip`.
       need_clip: which leaves are clipped (see :func:`jaxclip.clip_by_value`).
+      axis_name: inside ``shard_map``, for units of a leaf split across devices: the
+        mesh axes that split the reduced dimensions (see :func:`jaxclip.clip_by_norm`).
 
     Returns:
       The clipped tree; unselected leaves are the very same objects.
@@ -132,24 +159,28 @@ def clip_tree_adaptive(
                 "the gradients were taken of (the same structure and shapes)."
             )
     leaf_axes = [
-        _checks.leaf_axes(axes_t, g, path) if axes_t is not None else _unit_axes(g.ndim)
+        _checks.leaf_axes(axes_t, g, path) if axes_t is not None else _unit_axes(g.shape)
         for g, path in zip(gs, sel.chosen_paths)
     ]
-    return sel.rebuild(_agc(gs, ps, tuple(leaf_axes), clipping, eps))
+    paths = tuple(sel.chosen_paths)
+    return sel.rebuild(_agc(gs, ps, tuple(leaf_axes), clipping, eps, axis_name, paths))
 
 
-@functools.partial(jax.jit, static_argnames=("axes",))
+@functools.partial(jax.jit, static_argnames=("axes", "axis_name", "paths"))
 def _agc(
     gs: list[Array],
     ps: list[Array],
     axes: tuple[tuple[int, ...] | None, ...],
     clipping: Any,
     eps: Any,
+    axis_name: _norms.AxisName,
+    paths: tuple[str, ...],
 ) -> list[Array]:
     """Each unit of ``gs`` clipped to ``clipping * max(||unit of ps||, eps)`` (one compiled
     call, so an eager update costs one dispatch)."""
-    g_norms = _norms.slice_norms(gs, 2.0, axes)
-    p_norms = _norms.slice_norms(ps, 2.0, axes)
+    kw = {"axis_name": axis_name, "paths": paths}
+    g_norms = _norms.slice_norms(gs, 2.0, axes, **kw)
+    p_norms = _norms.slice_norms(ps, 2.0, axes, **kw)
     limits = [
         clipping * jnp.maximum(pn.value.astype(gn.frac.dtype), eps)
         for gn, pn in zip(g_norms, p_norms)
@@ -187,7 +218,10 @@ def auto_clip(
     norms, so the state has a fixed size and the cost per step is ``O(window)``.
     Non-finite norms are not recorded (they propagate as in
     :func:`jaxclip.clip_by_global_norm`: an inf norm scales the step by 0, a NaN one
-    makes it NaN); before any finite norm has been recorded the threshold is 0.
+    makes it NaN); before any finite norm has been recorded the threshold is 0. This is
+    the paper's algorithm (its listing records first, then takes the percentile); the
+    autoclip package's ``QuantileClip`` (per parameter, threshold from the earlier norms
+    only) is :func:`quantile_clip`.
 
     Args:
       percentile: in ``(0, 100]``; 10 is the paper's default.
@@ -239,6 +273,203 @@ def auto_clip(
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
+class HistoryClipState(NamedTuple):
+    """State of :func:`quantile_clip` and :func:`standard_clip`.
+
+    With ``global_threshold=True`` every field is about the global norm (``history`` of
+    shape ``(history_length,)``, the others scalars); otherwise each has a leading axis
+    with one row per selected leaf, in the order of ``jax.tree.leaves``.
+
+    Attributes:
+      history: the last ``history_length`` finite norms (a ring buffer; NaN where empty).
+      finite_count: how many finite norms were recorded in all.
+      threshold: the threshold of the last update (inf before any norm was recorded).
+      norm: the pre-clip norm of the last update (the global norm, or each leaf's).
+    """
+
+    history: Array
+    finite_count: Array
+    threshold: Array
+    norm: Array
+
+
+def _history_clip(
+    statistic: Any,
+    level: Any,
+    history_length: int,
+    global_threshold: bool,
+    need_clip: _tree.NeedClip,
+) -> optax.GradientTransformation:
+    """The autoclip package's clippers: each norm (the global one, or each leaf's) clipped
+    at ``statistic(history, level)`` of its earlier finite norms, then recorded."""
+
+    def rows(tree: PyTree) -> tuple[int, ...]:
+        if global_threshold:
+            return ()
+        return (len(_tree.select(tree, need_clip, what="adaptive clipping").chosen),)
+
+    def init_fn(params: PyTree) -> HistoryClipState:
+        f32, lead = jnp.float32, rows(params)
+        return HistoryClipState(
+            jnp.full((*lead, history_length), jnp.nan, f32),
+            jnp.zeros(lead, jnp.int32),
+            jnp.full(lead, jnp.inf, f32),
+            jnp.zeros(lead, f32),
+        )
+
+    def update_fn(updates: PyTree, state: HistoryClipState, params: Any = None):
+        del params
+        sel = _tree.select(updates, need_clip, what="adaptive clipping")
+        xs = [jnp.asarray(x) for x in sel.chosen]
+        if not global_threshold and state.norm.shape != (len(xs),):
+            raise ValueError(
+                f"jaxclip: the state has a history for {state.norm.shape[0]} leaves but the "
+                f"updates select {len(xs)}; init with params of the updates' structure."
+            )
+        out, state = _history_step(xs, state, level, statistic, global_threshold)
+        return sel.rebuild(out), state
+
+    return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+@functools.partial(jax.jit, static_argnames=("statistic", "global_threshold"))
+def _history_step(
+    xs: list[Array], state: HistoryClipState, level: Any, statistic: Any, global_threshold: bool
+) -> tuple[list[Array], HistoryClipState]:
+    """One step of :func:`_history_clip` (one compiled call, so an eager update costs one
+    dispatch)."""
+    count, history_length = state.finite_count, state.history.shape[-1]
+    # The threshold comes from the earlier norms only; none yet: no clipping.
+    threshold = jnp.where(count > 0, statistic(state.history, count, level), jnp.inf)
+    if global_threshold:
+        parts = _norms.global_norm_parts(xs, 2.0)
+        norm = parts.value.astype(jnp.float32)
+        out = _norms.rescale(xs, parts, threshold)
+    else:
+        leaf_norms = _norms.slice_norms(xs, 2.0, (None,) * len(xs))
+        norm = jnp.stack([n.value.reshape(()).astype(jnp.float32) for n in leaf_norms])
+        norm = norm.reshape(state.norm.shape)  # (0,) when nothing is selected
+        out = _norms.rescale_each(xs, leaf_norms, [threshold[k] for k in range(len(xs))])
+    finite = jnp.isfinite(norm)
+    slot = jax.nn.one_hot(count % history_length, history_length, dtype=bool)
+    history = jnp.where(finite[..., None] & slot, norm[..., None], state.history)
+    count = count + finite.astype(jnp.int32)
+    return out, HistoryClipState(history, count, threshold, norm)
+
+
+def _quantile(history: Array, count: Array, q: Any) -> Array:
+    del count
+    return jnp.nanquantile(history, q, axis=-1)  # linear, as torch.quantile
+
+
+def _std_threshold(history: Array, count: Array, deviations: Any) -> Array:
+    # torch.std (Bessel's n - 1); one recorded norm: the reference's std is NaN and
+    # its step NaN; here no clipping until there are two.
+    n = jnp.minimum(count, history.shape[-1]).astype(history.dtype)
+    mean = jnp.nanmean(history, axis=-1, keepdims=True)
+    ss = jnp.nansum((history - mean) ** 2, axis=-1)
+    std = jnp.sqrt(ss / jnp.maximum(n - 1, 1))
+    return jnp.where(n >= 2, deviations * std, jnp.inf)
+
+
+def quantile_clip(
+    quantile: float = 0.9,
+    history_length: StaticInt = _WINDOW,
+    *,
+    global_threshold: bool = False,
+    need_clip: _tree.NeedClip = None,
+) -> optax.GradientTransformation:
+    """The autoclip package's ``QuantileClip``: each parameter's gradient (or, with
+    ``global_threshold=True``, all of them together) clipped at a quantile of its own
+    earlier norms.
+
+    Per step, for each selected leaf (or the global norm): the threshold is the
+    ``quantile`` (linear interpolation, as ``torch.quantile``) of the last
+    ``history_length`` recorded norms (none yet: inf, the first step is never clipped);
+    the gradient is scaled to at most the threshold; then its pre-clip norm is recorded.
+    Unlike :func:`auto_clip` (the paper's), the current norm does not enter its own
+    threshold. Deliberate difference from the reference: a non-finite norm is not
+    recorded (the reference records it, and its threshold is NaN, so every step is NaN,
+    until it leaves the history); the step itself is NaN (inf: scaled by 0) as in the
+    reference. The scale is ``threshold / norm`` without torch's ``+ 1e-6``.
+
+    Args:
+      quantile: in ``[0, 1]``; 0.9 as in the reference.
+      history_length: how many past norms are kept (per leaf), a Python int >= 1.
+      global_threshold: clip the global norm at a quantile of the global norms' history
+        (the reference's option of that name); False (the default) clips each leaf.
+      need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`HistoryClipState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxclip
+      >>> tx = jaxclip.quantile_clip(0.5)
+      >>> grads = {"a": jnp.array([1.0]), "b": jnp.array([10.0])}
+      >>> state = tx.init(grads)
+      >>> _, state = tx.update(grads, state)   # recorded: a 1, b 10
+      >>> out, state = tx.update({"a": jnp.array([3.0]), "b": jnp.array([5.0])}, state)
+      >>> out["a"], out["b"], state.threshold
+      (Array([1.], dtype=float32), Array([5.], dtype=float32), Array([ 1., 10.], dtype=float32))
+
+    References:
+      Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source Separation
+      Networks <https://arxiv.org/abs/2007.14469>`_, 2020; the ``autoclip`` package 0.2.1
+      (HesitantlyHuman/autoclip ``autoclip/torch/quantile.py``, commit 34badefb)
+    """
+    _checks.check_quantile(quantile, "quantile_clip")
+    n = _checks.static_int(history_length, "history_length", "quantile_clip")
+    return _history_clip(_quantile, quantile, n, global_threshold, need_clip)
+
+
+def standard_clip(
+    deviations: float = 2.0,
+    history_length: StaticInt = _WINDOW,
+    *,
+    global_threshold: bool = False,
+    need_clip: _tree.NeedClip = None,
+) -> optax.GradientTransformation:
+    """The autoclip package's ``StandardClip``: each parameter's gradient (or, with
+    ``global_threshold=True``, all of them together) clipped at ``deviations`` times the
+    standard deviation of its own earlier norms.
+
+    As :func:`quantile_clip`, with the threshold ``deviations * std`` of the last
+    ``history_length`` recorded norms (``torch.std``: Bessel's ``n - 1``). Note that the
+    reference's threshold is ``deviations * std``, not ``mean + deviations * std``; it is
+    followed here. Deliberate differences from the reference: with a single recorded norm
+    the reference's ``std`` is NaN and so is its second step; here a step is not clipped
+    until two norms are recorded; non-finite norms are not recorded; no ``+ 1e-6`` in the
+    scale.
+
+    Args:
+      deviations: finite and >= 0; 2.0 as in the reference.
+      history_length: how many past norms are kept (per leaf), a Python int >= 1.
+      global_threshold: clip the global norm against the global norms' history; False
+        (the default) clips each leaf.
+      need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`HistoryClipState`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxclip
+      >>> tx = jaxclip.standard_clip(1.0, global_threshold=True)
+      >>> state = tx.init(jnp.zeros(1))
+      >>> for g in [1.0, 3.0, 10.0]:       # std of (1, 3) is 1.414
+      ...     out, state = tx.update(jnp.array([g]), state)
+      >>> round(float(out[0]), 4), round(float(state.threshold), 4)
+      (1.4142, 1.4142)
+
+    References:
+      the ``autoclip`` package 0.2.1 (HesitantlyHuman/autoclip ``autoclip/torch/std.py``,
+      commit 34badefb)
+    """
+    _checks.check_deviations(deviations, "standard_clip")
+    n = _checks.static_int(history_length, "history_length", "standard_clip")
+    return _history_clip(_std_threshold, deviations, n, global_threshold, need_clip)
+
+
 def _selected(
     updates: PyTree, need_clip: _tree.NeedClip, p: float = 2.0
 ) -> tuple[_tree.Selection, list[Array], Array]:
@@ -268,41 +499,76 @@ class ZClipState(NamedTuple):
     global_norm: Array
 
 
+_UNSET: Any = object()  # max_norm, the old name of max_grad_norm, not given
+
+
 def zclip(
     alpha: float = 0.97,
     z_thresh: float = 2.5,
     warmup_steps: StaticInt = _WARMUP,
     *,
-    max_norm: float | None = None,
+    max_grad_norm: float | None = 1.0,
     eps: float = 1e-6,
+    mode: str = "zscore",
+    clip_option: str = "adaptive_scaling",
+    clip_factor: float = 1.0,
+    skip_update_on_spike: bool = False,
     need_clip: _tree.NeedClip = None,
+    max_norm: Any = _UNSET,
 ) -> optax.GradientTransformation:
-    """ZClip: clips global-norm spikes detected by a z-score against moving statistics.
+    """ZClip: clips global-norm spikes detected against moving statistics of the norm.
 
-    During the first ``warmup_steps`` finite norms only statistics are gathered; then
-    ``mean`` and ``var`` start as their mean and (population) variance. After that, with
-    ``std = sqrt(var)`` and ``z = (n - mean) / (std + eps)``, a norm with
-    ``z > z_thresh`` is clipped to ``mean + z_thresh**2 * std / z`` (the paper's default
-    "adaptive scaling": the further out, the harder the clip). The statistics then take the
-    clipped norm: ``mean <- alpha mean + (1 - alpha) n'`` and
-    ``var <- alpha var + (1 - alpha) (n' - mean)**2`` with the new mean, as the reference
-    implementation does. ``max_norm``, when given, caps every step (warm-up included),
-    as in the reference implementation. Non-finite norms never enter the statistics.
+    The reference package's algorithm (``ZClip`` in bluorion-com/ZClip ``zclip/zclip.py``),
+    with its options under its names and its defaults. During the first ``warmup_steps``
+    finite norms only statistics are gathered (each step capped at ``max_grad_norm``); then
+    ``mean`` and ``var`` start as their mean and population variance. After that, with
+    ``std = sqrt(var)`` and the global norm ``n``:
+
+    - ``mode="zscore"``: ``z = (n - mean) / (std + eps)``; where ``z > z_thresh`` the
+      norm is a spike and is clipped to
+
+      - ``clip_option="adaptive_scaling"``: ``clip_factor * (mean + z_thresh**2 * std / z)``
+        (the further out, the harder the clip; the reference multiplies the whole
+        threshold by ``clip_factor``, so we do too);
+      - ``clip_option="mean"``: ``mean``;
+
+    - ``mode="percentile"``: where ``n > mean + z_thresh * std`` (no ``eps``) the norm is
+      a spike and is clipped to ``mean + z_thresh * std`` (``clip_option`` and
+      ``clip_factor`` unused, as in the reference).
+
+    Every step is also capped at ``max_grad_norm`` (None: no cap). The statistics then take
+    the spike's threshold in place of the norm (``max_grad_norm`` left out), unless
+    ``skip_update_on_spike``: ``mean <- alpha mean + (1 - alpha) n'`` and
+    ``var <- alpha var + (1 - alpha) (n' - mean)**2`` with the new mean.
+
+    Deliberate differences from the reference: non-finite norms never enter the
+    statistics nor count as warm-up steps (the reference records a NaN, after which every
+    statistic is NaN for good; an inf norm is scaled by 0 like the reference does, but
+    leaves its variance alone), the scale is ``threshold / n`` without the reference's
+    ``+ 1e-6`` in the denominator (as every jaxclip mode), and ``warmup_steps`` must be
+    >= 1 (the reference's 0 behaves as 1). ``max_grad_norm`` was called ``max_norm``
+    (default None) before; ``max_norm=`` still works.
 
     Args:
       alpha: the moving-average factor, in ``[0, 1)``.
       z_thresh: the z-score above which a norm is a spike, > 0.
       warmup_steps: finite norms gathered before clipping starts, >= 1.
-      max_norm: an optional fixed cap on the global norm.
+      max_grad_norm: a fixed cap on the global norm of every step, > 0, or None; 1.0 as in
+        the reference.
       eps: added to ``std`` in the z-score; finite and >= 0.
+      mode: ``"zscore"`` or ``"percentile"`` (above).
+      clip_option: ``"adaptive_scaling"`` or ``"mean"``, for ``mode="zscore"``.
+      clip_factor: multiplies the adaptive-scaling threshold, > 0.
+      skip_update_on_spike: leave the statistics as they are on a spike.
       need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+      max_norm: the former name of ``max_grad_norm``.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`ZClipState`.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxclip
-      >>> tx = jaxclip.zclip(warmup_steps=2)
+      >>> tx = jaxclip.zclip(warmup_steps=2, max_grad_norm=None)
       >>> state = tx.init(jnp.zeros(1))
       >>> for g in [1.0, 3.0, 30.0]:   # warm-up: mean 2, var 1; then z = 28
       ...     out, state = tx.update(jnp.array([g]), state)
@@ -311,15 +577,30 @@ def zclip(
 
     References:
       Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
-      <https://arxiv.org/abs/2504.02507>`_, 2025
+      <https://arxiv.org/abs/2504.02507>`_, 2025; the ``zclip`` package 1.0.0
+      (bluorion-com/ZClip ``zclip/zclip.py``, commit 584ce4f5)
     """
+    cap_name = "max_grad_norm"
+    if max_norm is not _UNSET:
+        if not (isinstance(max_grad_norm, float) and max_grad_norm == 1.0):
+            raise ValueError(
+                "jaxclip.zclip: pass max_grad_norm only (max_norm is its former name)."
+            )
+        max_grad_norm, cap_name = max_norm, "max_norm"
     _checks.check_alpha(alpha, "zclip")
     _checks.check_z_thresh(z_thresh, "zclip")
     _checks.check_zclip_eps(eps, "zclip")
     warmup_steps = _checks.static_int(warmup_steps, "warmup_steps", "zclip")
-    if max_norm is not None:
-        _checks.check_max_norm(max_norm, "zclip")
-    cap = jnp.inf if max_norm is None else max_norm
+    mode = _checks.check_choice(mode, "mode", ("zscore", "percentile"), "zclip")
+    clip_option = _checks.check_choice(
+        clip_option, "clip_option", ("adaptive_scaling", "mean"), "zclip"
+    )
+    _checks.check_positive(
+        clip_factor, "clip_factor", "zclip", "it multiplies the adaptive threshold; 1.0 leaves it"
+    )
+    if max_grad_norm is not None:
+        _checks.check_cap(max_grad_norm, cap_name, "zclip")
+    cap = jnp.inf if max_grad_norm is None else max_grad_norm
 
     def init_fn(params: PyTree) -> ZClipState:
         del params
@@ -338,10 +619,19 @@ def zclip(
         finite = jnp.isfinite(norm)
         warming = state.finite_count < warmup_steps
         std = jnp.sqrt(state.var)
-        z = (norm - state.mean) / (std + eps)
-        spike = ~warming & (z > z_thresh)
-        safe_z = jnp.where(spike, z, 1.0)
-        adaptive = jnp.where(spike, state.mean + z_thresh**2 * std / safe_z, norm)
+        if mode == "percentile":
+            limit = state.mean + z_thresh * std
+            spike = norm > limit
+        else:
+            z = (norm - state.mean) / (std + eps)
+            spike = z > z_thresh
+            if clip_option == "mean":
+                limit = state.mean
+            else:
+                safe_z = jnp.where(spike, z, 1.0)
+                limit = clip_factor * (state.mean + z_thresh**2 * std / safe_z)
+        spike = ~warming & spike
+        adaptive = jnp.where(spike, limit, norm)
         threshold = jnp.minimum(adaptive, cap)
         clipped = _rescaled(sel, xs, norm, threshold)
 
@@ -356,6 +646,8 @@ def zclip(
         mean1 = alpha * state.mean + (1 - alpha) * adaptive
         var1 = alpha * state.var + (1 - alpha) * (adaptive - mean1) ** 2
         tracking = ~warming & finite
+        if skip_update_on_spike:
+            tracking = tracking & ~spike
         mean = jnp.where(ready, mean0, jnp.where(tracking, mean1, state.mean))
         var = jnp.where(ready, var0, jnp.where(tracking, var1, state.var))
         count = state.finite_count + finite.astype(jnp.int32)
@@ -370,7 +662,9 @@ class SkipLargeUpdatesState(NamedTuple):
     Attributes:
       inner_state: the wrapped transformation's state (untouched on skipped steps).
       skipped: how many steps were skipped in all.
-      consecutive: how many steps in a row were skipped, up to now.
+      consecutive: how many steps in a row, up to now, were over the threshold or
+        non-finite (skipped, or applied past ``max_consecutive_errors``); 0 after a good
+        step. ``optax.apply_if_finite``'s ``notfinite_count``.
       global_norm: the incoming global norm of the last update.
     """
 
@@ -382,23 +676,34 @@ class SkipLargeUpdatesState(NamedTuple):
 
 def skip_large_updates(
     inner: optax.GradientTransformation,
-    threshold: float,
+    threshold: float = math.inf,
     *,
+    max_consecutive_errors: int | None = None,
     norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
 ) -> optax.GradientTransformation:
     """Skips steps whose incoming global norm is above ``threshold`` or non-finite.
 
-    A step whose norm is inf or NaN is always skipped, also with ``threshold=inf``
-    (which then skips only those). On a skipped step the updates are zeros and
-    ``inner``'s state is left as it was, so
-    (unlike zeroing the gradients) Adam's moments do not decay and its step count does
-    not advance. Compare ``optax.apply_if_finite``, which skips non-finite steps only.
+    A step whose norm is inf or NaN is always skipped; with the default
+    ``threshold=inf`` only those are, which is ``optax.apply_if_finite``. On a skipped
+    step the updates are zeros and ``inner``'s state is left as it was, so (unlike
+    zeroing the gradients) Adam's moments do not decay and its step count does not
+    advance.
+
+    ``max_consecutive_errors`` is ``optax.apply_if_finite``'s: once more than that many
+    bad steps (over the threshold or non-finite) come in a row, the step is applied after
+    all (and so is every further bad step, until a good one resets the count). Giving up
+    by applying, rather than raising, is apply_if_finite's choice and works inside
+    ``jit`` without a host callback; watch ``consecutive`` in the state to stop a run
+    instead. ``None`` (the default) skips for ever. With ``threshold=inf`` the updates,
+    the inner state and the counts equal ``optax.apply_if_finite``'s step for step.
 
     Args:
       inner: the transformation to wrap (e.g. ``optax.adamw(1e-3)``).
-      threshold: the largest global norm of a step that is applied, > 0 (``inf`` to
-        skip only non-finite steps).
+      threshold: the largest global norm of a step that is applied, > 0; ``inf`` (the
+        default) skips only non-finite steps.
+      max_consecutive_errors: how many bad steps in a row are skipped before one is
+        applied, an int >= 0 (may be traced), or None to never apply a bad step.
       norm_type: ``p > 0`` or ``float('inf')``.
       need_clip: which leaves count towards the norm (see :func:`jaxclip.clip_by_value`).
 
@@ -412,9 +717,15 @@ def skip_large_updates(
       >>> out, state = tx.update(jnp.array([30.0, 40.0]), state)
       >>> out, int(state.skipped)
       (Array([0., 0.], dtype=float32), 1)
+
+    References:
+      ``optax.apply_if_finite`` (``optax/transforms/_conditionality.py``)
     """
     _checks.check_threshold(threshold, "skip_large_updates")
     p = _checks.check_norm_type(norm_type)
+    if max_consecutive_errors is not None:
+        _checks.check_count(max_consecutive_errors, "max_consecutive_errors", "skip_large_updates")
+    limit = max_consecutive_errors
 
     def init_fn(params: PyTree) -> SkipLargeUpdatesState:
         # A new buffer per field, so that the state can be donated.
@@ -426,8 +737,14 @@ def skip_large_updates(
         )
 
     def update_fn(updates: PyTree, state: SkipLargeUpdatesState, params: Any = None, **extra: Any):
-        norm = _selected(updates, need_clip, p)[2]
-        skip = ~(jnp.isfinite(norm) & (norm <= threshold))  # also with threshold=inf
+        sel = _tree.select(updates, need_clip, what="spike skipping")
+        parts = _norms.global_norm_parts([jnp.asarray(x) for x in sel.chosen], p)
+        norm = parts.value.astype(jnp.float32)
+        # Finite from frac: a finite norm beyond float32's range is inf as a value but is
+        # not an error (it is over any finite threshold, and applied with threshold=inf).
+        bad = ~(jnp.isfinite(parts.frac) & (parts.value <= threshold))
+        consecutive = jnp.where(bad, state.consecutive + 1, 0)
+        skip = bad if limit is None else bad & (consecutive <= limit)
         new_updates, new_inner = optax.with_extra_args_support(inner).update(
             updates, state.inner_state, params, **extra
         )
@@ -436,7 +753,6 @@ def skip_large_updates(
             lambda old, new: jnp.where(skip, old, new), state.inner_state, new_inner
         )
         skipped = state.skipped + skip.astype(jnp.int32)
-        consecutive = jnp.where(skip, state.consecutive + 1, 0)
         return out, SkipLargeUpdatesState(inner_state, skipped, consecutive, norm)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

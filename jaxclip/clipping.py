@@ -64,8 +64,10 @@ def global_norm(
       tree: a pytree of arrays.
       norm_type: ``p > 0`` or ``float('inf')``.
       need_clip: which leaves count (see :func:`clip_by_global_norm`).
-      axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over which
-        the leaves are sharded; partial norms are combined across them.
+      axis_name: not needed under ``jit`` (sharded arrays) nor inside ``shard_map``,
+        where each leaf's partial norm is combined over exactly the mesh axes it varies
+        across; give it under ``pmap`` (or ``shard_map(check_vma=False)``) to name the
+        mapped axes the leaves are split over, or ``()`` to combine nothing.
 
     Returns:
       A scalar (float32, or float64 when a leaf is float64).
@@ -129,6 +131,7 @@ def clip_tree_by_norm(
     norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
     error_if_nonfinite: bool = False,
+    axis_name: _norms.AxisName = None,
 ) -> tuple[PyTree, PyTree]:
     """Scales each selected leaf (or each slice over ``axes``) to norm at most ``clip_norm``.
 
@@ -140,6 +143,7 @@ def clip_tree_by_norm(
       norm_type: ``p > 0`` or ``float('inf')``.
       need_clip: which leaves are clipped (see :func:`clip_by_norm`).
       error_if_nonfinite: raise if a norm is inf or NaN (a host sync per call).
+      axis_name: see :func:`clip_by_norm`.
 
     Returns:
       ``(clipped, norms)``: ``norms`` has the tree's structure with, per selected leaf,
@@ -162,7 +166,14 @@ def clip_tree_by_norm(
     sel = _tree.select(tree, need_clip, what="norm clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
     leaf_axes = [_checks.leaf_axes(axes_t, x, path) for x, path in zip(xs, sel.chosen_paths)]
-    clipped, norms = _norms.clip_slices(xs, p, tuple(leaf_axes), clip_norm)
+    clipped, norms = _norms.clip_slices(
+        xs,
+        p,
+        tuple(leaf_axes),
+        clip_norm,
+        axis_name=axis_name,
+        paths=tuple(sel.chosen_paths),
+    )
     if error_if_nonfinite:
         _norms.raise_if_nonfinite(
             norms, [f"norm of the leaf at {_tree.shown(path)}" for path in sel.chosen_paths]
@@ -191,8 +202,10 @@ def clip_tree_by_global_norm(
       clip_norm: the largest global norm allowed, > 0.
       norm_type: ``p > 0`` or ``float('inf')``.
       need_clip: which leaves take part (see :func:`clip_by_global_norm`).
-      axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over which the
-        leaves are sharded.
+      axis_name: not needed under ``jit`` (sharded arrays) nor inside ``shard_map``,
+        where each leaf's partial norm is combined over exactly the mesh axes it varies
+        across; give it under ``pmap`` (or ``shard_map(check_vma=False)``) to name the
+        mapped axes the leaves are split over, or ``()`` to combine nothing.
       use_norm: a global norm computed already (as in TensorFlow); it is used as is.
       error_if_nonfinite: raise if the global norm is inf or NaN (a host sync per call).
       group: a callable ``group(path, leaf) -> label``: each label's leaves are clipped
@@ -361,6 +374,7 @@ def clip_by_norm(
     norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
     error_if_nonfinite: bool = False,
+    axis_name: _norms.AxisName = None,
 ) -> optax.GradientTransformation:
     """Scales each update leaf (or each slice over ``axes``) to norm at most ``clip_norm``.
 
@@ -380,6 +394,11 @@ def clip_by_norm(
       error_if_nonfinite: raise, also under ``jit``, when a norm is inf or NaN; costs a
         device-to-host transfer and a sync per step. Catch ``jax.errors.JaxRuntimeError``
         (see :class:`~jaxclip.NonFiniteNormError`).
+      axis_name: not needed under ``jit`` (sharded arrays). Inside ``shard_map`` a whole
+        leaf's norm is combined over the mesh axes the leaf varies across; a per-slice
+        norm (``axes``) of a leaf split across devices needs the mesh axes that split
+        its *reduced* dimensions (``()`` if every slice is whole on each device), else a
+        ValueError naming the leaf. Under ``pmap``: the mapped axis name(s).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`ClipByNormState`.
@@ -415,6 +434,7 @@ def clip_by_norm(
             norm_type=norm_type,
             need_clip=need_clip,
             error_if_nonfinite=error_if_nonfinite,
+            axis_name=axis_name,
         )
         largest = jax.tree.map(lambda n: jnp.max(n, initial=0).astype(jnp.float32), norms)
         if isinstance(state, ClipByNormState):
@@ -455,8 +475,10 @@ def clip_by_global_norm(
       norm_type: ``p > 0`` or ``float('inf')``, as PyTorch's ``norm_type``.
       need_clip: which leaves take part (see :func:`clip_by_value`); the others are
         left out of the norm and returned untouched.
-      axis_name: inside ``shard_map``/``pmap``, the mapped axis name(s) over which the
-        updates are sharded; not needed under ``jit`` with sharded arrays.
+      axis_name: not needed under ``jit`` (sharded arrays) nor inside ``shard_map``,
+        where each leaf's partial norm is combined over exactly the mesh axes it varies
+        across; give it under ``pmap`` (or ``shard_map(check_vma=False)``) to name the
+        mapped axes the leaves are split over, or ``()`` to combine nothing.
       error_if_nonfinite: raise, also under ``jit``, when the global norm is inf or NaN;
         costs a device-to-host transfer and a sync per step. Catch
         ``jax.errors.JaxRuntimeError`` (see :class:`~jaxclip.NonFiniteNormError`).

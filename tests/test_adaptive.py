@@ -40,8 +40,12 @@ def _run(tx, norms, jit=True):
 
 
 def _agc_reference(g, p, clipping, eps):
+    # NFNets' unitwise_norm (deepmind-research nfnets/optim.py), with optax's rank 5.
     g, p = ref.f64(g), ref.f64(p)
-    axes = None if g.ndim <= 1 else tuple(range(g.ndim - 1))
+    if np.squeeze(g).ndim <= 1:
+        axes = None
+    else:
+        axes = (0,) if g.ndim in (2, 3) else tuple(range(g.ndim - 1))
     gn = ref.norm([g], 2.0, axes=axes) if axes else ref.norm([g], 2.0)
     pn = ref.norm([p], 2.0, axes=axes) if axes else ref.norm([p], 2.0)
     limit = clipping * np.maximum(pn, eps)
@@ -133,6 +137,7 @@ def _zclip_reference(norms, alpha, z_thresh, warmup, max_norm=None, eps=1e-6):
 
 @pytest.mark.parametrize("max_norm", [None, 2.4])
 def test_zclip_scripted(max_norm):
+    # max_norm: the former name of max_grad_norm, still accepted.
     tx = jaxclip.zclip(alpha=0.9, z_thresh=2.0, warmup_steps=3, max_norm=max_norm)
     outs, states = _run(tx, NORMS)
     expected = _zclip_reference(NORMS, 0.9, 2.0, 3, max_norm)
@@ -147,7 +152,7 @@ def test_zclip_scripted(max_norm):
 
 def test_zclip_inside_inject_hyperparams_and_scan():
     tx = optax.inject_hyperparams(jaxclip.zclip, static_args=("warmup_steps",))(
-        z_thresh=2.0, warmup_steps=3
+        z_thresh=2.0, warmup_steps=3, max_grad_norm=None
     )
     norms = jnp.array([n for n in NORMS if np.isfinite(n)], jnp.float32)
 
@@ -252,3 +257,37 @@ def test_adaptive_clip_with_integer_params_and_float0_grads():
     out, _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_allclose(out["w"], [[0.0], [2.0]], rtol=1e-6)
     assert out["step"] is grads["step"]
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: jaxclip.quantile_clip(1.5), r"quantile=1\.5 must be in \[0, 1\]"),
+        (lambda: jaxclip.quantile_clip(0.5, 0), r"history_length=0 must be a Python int >= 1"),
+        (lambda: jaxclip.standard_clip(-1.0), r"deviations=-1\.0 must be finite and >= 0"),
+        (
+            lambda: jaxclip.skip_large_updates(optax.sgd(1.0), max_consecutive_errors=-1),
+            r"max_consecutive_errors=-1 must be an int >= 0",
+        ),
+        (
+            lambda: jaxclip.skip_large_updates(optax.sgd(1.0), max_consecutive_errors=1.5),
+            r"max_consecutive_errors=1\.5 must be an int >= 0",
+        ),
+        (lambda: jaxclip.zclip(max_grad_norm=0.0), r"max_grad_norm=0\.0 must be > 0"),
+    ],
+)
+def test_new_hyperparameters_are_validated(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_quantile_clip_state_has_one_row_per_selected_leaf():
+    tree = {"a": jnp.ones(2), "b": jnp.ones((2, 3)), "n": jnp.array(1, jnp.int32)}
+    state = jaxclip.quantile_clip(0.5, 4).init(tree)
+    assert state.history.shape == (2, 4) and state.threshold.shape == (2,)
+    state = jaxclip.quantile_clip(0.5, 4, global_threshold=True).init(tree)
+    assert state.history.shape == (4,) and state.threshold.shape == ()
+    with pytest.raises(ValueError, match="history for 2 leaves but the updates select 1"):
+        jaxclip.quantile_clip(0.5, 4).update(
+            {"a": jnp.ones(2)}, jaxclip.quantile_clip(0.5).init(tree)
+        )

@@ -10,11 +10,12 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
-def test_there_are_three_notebooks():
+def test_there_are_four_notebooks():
     assert [p.name for p in NOTEBOOKS] == [
         "01_quickstart.ipynb",
         "02_exploding_gradients.ipynb",
         "03_porting_guide.ipynb",
+        "04_dp_sgd.ipynb",
     ]
 
 

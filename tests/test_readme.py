@@ -16,3 +16,14 @@ def test_readme_python_blocks_run():
         for block in blocks:
             exec(compile(block, str(README), "exec"), {})
     assert "30.0" in out.getvalue()  # the quickstart's printed norm: 10 x 10 weights of 3
+
+
+def test_every_public_name_is_in_the_api_reference():
+    import jaxclip
+
+    api = (pathlib.Path(__file__).parent.parent / "docs" / "api.rst").read_text()
+    documented = set(re.findall(r"^\.\. auto(?:function|class):: (\w+)", api, re.M))
+    public = {n for n in dir(jaxclip) if not n.startswith("_") and n != "demo"}
+    public -= {"annotations"}
+    missing = {n for n in public if callable(getattr(jaxclip, n))} - documented
+    assert not missing, f"add to docs/api.rst: {sorted(missing)}"

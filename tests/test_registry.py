@@ -93,6 +93,8 @@ TRANSFORMS = [
     Case("global_need_clip", P(GLOBAL, 1.0, need_clip=_no_bias), "f32", False),
     Case("adaptive_clip", P(jaxclip.adaptive_clip, 0.1), "f32", True),
     Case("auto_clip", P(jaxclip.auto_clip, 10.0, window=8), "f32", False),
+    Case("quantile_clip", P(jaxclip.quantile_clip, 0.5, 8), "f32", False),  # per leaf
+    Case("standard_clip", P(jaxclip.standard_clip, 2.0, 8, global_threshold=True), "f32", False),
     Case("zclip", P(jaxclip.zclip, warmup_steps=3), "f32", False),
     Case("zclip_max_norm", P(jaxclip.zclip, warmup_steps=3, max_norm=5.0), "f32", False),
     Case("skip_large_updates", P(jaxclip.skip_large_updates, optax.adam(1e-3), 10.0), "f32", False),
@@ -106,6 +108,8 @@ HYPERPARAMETER = {
     "clip_by_global_norm": "clip_norm",
     "adaptive_clip": "clipping",
     "auto_clip": "percentile",
+    "quantile_clip": "quantile",
+    "standard_clip": "deviations",
     "zclip": "z_thresh",
     "skip_large_updates": "threshold",
 }

@@ -1,0 +1,427 @@
+"""Per-example clipping (DP-SGD): :func:`clip_tree_per_example` and :func:`clip_per_example`.
+
+Each example's gradient (a slice along a leading batch axis of every selected leaf) is
+clipped to ``clip_norm``, then the examples are summed or averaged. The clipped examples
+are never materialised when reducing: each leaf is contracted with the vector of
+per-example factors (a matrix-vector product), so the only pass over the gradients
+besides the norm is the product itself. Norms come from ``_norms.per_example_norm_parts``
+and factors from ``_norms.clip_scale``, as for every other mode.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxclip import _checks, _norms, _tree
+from jaxclip._checks import NormType
+from jaxclip.clipping import _group_labels
+
+Array = jax.Array
+ArrayLike = jax.typing.ArrayLike
+PyTree = Any
+Reduce = Literal["sum", "mean"] | None
+Group = Callable[[str, Any], Hashable] | None
+
+
+class ClipPerExampleState(NamedTuple):
+    """State of :func:`clip_per_example`.
+
+    Attributes:
+      norms: the pre-clip norm of each example of the last update, float32 of shape
+        ``(batch_size,)`` (a dict label -> such an array with ``group``); None when the
+        transformation was built without ``batch_size``.
+      clipped_fraction: the fraction of the last update's examples that were clipped,
+        a float32 scalar (a dict label -> scalar with ``group``).
+      key: the PRNG key of the next update's noise.
+    """
+
+    norms: Array | dict[Hashable, Array] | None
+    clipped_fraction: Array | dict[Hashable, Array]
+    key: Array
+
+
+def _check_common(clip_norm: Any, norm_type: Any, reduce: Any, group: Any, fn: str) -> float:
+    """The checks both entry points share; returns the norm type as a float."""
+    _checks.check_clip_norm(clip_norm, fn)
+    p = _checks.check_norm_type(norm_type)
+    _check_reduce(reduce, fn)
+    _checks.check_callable(group, "group", fn, "group(path, leaf) -> label")
+    return p
+
+
+def _check_reduce(reduce: Any, fn: str) -> None:
+    if reduce not in ("sum", "mean", None):
+        raise ValueError(
+            f'jaxclip.{fn}: reduce={reduce!r}; pass "sum", "mean" or None (keep the batch axis).'
+        )
+
+
+def _batch_size(leaves: Sequence[Any], paths: Sequence[str], fn: str) -> int | None:
+    """The common leading-axis length of ``leaves``, or a ValueError naming the leaf path
+    where there is no batch axis or where it differs."""
+    batch, first = None, ""
+    for x, path in zip(leaves, paths):
+        shape = np.shape(x)
+        if not shape:
+            raise ValueError(
+                f"jaxclip.{fn}: the leaf at {_tree.shown(path)} is a scalar, but per-example "
+                "gradients need a leading batch axis on every leaf that is reduced. Compute "
+                "them with jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, batch), or "
+                "exclude the leaf with need_clip."
+            )
+        if batch is None:
+            batch, first = shape[0], path
+        elif shape[0] != batch:
+            raise ValueError(
+                f"jaxclip.{fn}: the leaf at {_tree.shown(path)} has batch size {shape[0]} (its "
+                f"leading axis), but the leaf at {_tree.shown(first)} has {batch}. Every "
+                "reduced leaf needs the same leading batch axis (per-example gradients from "
+                "jax.vmap have it)."
+            )
+    return batch
+
+
+def _weights(scale: _norms.Scale) -> Array:
+    """Per example, 1 where it is kept, else its factor ``c / n`` (rounded once)."""
+    return jnp.where(scale.keep, jnp.ones_like(scale.f0), scale.f0 * scale.f1)
+
+
+def _contract(w: Array, x: Array) -> Array:
+    """``sum_b w[b] * x[b]`` as one matrix-vector product, accumulated and returned in the
+    accumulation dtype of ``x`` (float32 for 16-bit leaves) with no widened copy of ``x``.
+
+    XLA:CPU widens a bfloat16 operand of a mixed-precision dot into a float32 copy; a
+    bfloat16 dot accumulating in float32 does not, so ``w`` is split into three bfloat16
+    parts whose sum is ``w`` to 2**-26 (each part's product with ``x`` is exact in
+    float32). ``HIGHEST`` keeps float32 dots in float32 on GPU/TPU (no TF32/bf16 passes).
+    """
+    acc = _norms.acc_dtype(x.dtype)
+    high = lax.Precision.HIGHEST
+    if jnp.iscomplexobj(x):
+        return lax.dot_general(w.astype(x.dtype), x, (((0,), (0,)), ((), ())), precision=high)
+    if x.dtype == jnp.bfloat16:
+        w = w.astype(jnp.float32)
+        hi = w.astype(x.dtype)
+        r = w - hi.astype(jnp.float32)
+        mid = r.astype(x.dtype)
+        lo = (r - mid.astype(jnp.float32)).astype(x.dtype)
+        parts = jnp.stack([hi, mid, lo])
+        dims = (((1,), (0,)), ((), ()))
+        out = lax.dot_general(parts, x, dims, precision=high, preferred_element_type=acc)
+        return jnp.sum(out, 0)
+    dims = (((0,), (0,)), ((), ()))
+    return lax.dot_general(w.astype(acc), x, dims, precision=high, preferred_element_type=acc)
+
+
+def _per_example(
+    grads: PyTree,
+    clip_norm: Any,
+    p: float,
+    need_clip: _tree.NeedClip,
+    group: Group,
+    reduce: Reduce,
+    noise_std: Any,
+    key: Array | None,
+    fn: str,
+) -> tuple[PyTree, dict[Hashable, Array], dict[Hashable, Array], int | None]:
+    """The work of both public functions: ``(tree, norms, clipped_fractions, batch)``, with
+    per-label norms and fractions (one label, None, without ``group``). Noise of standard
+    deviation ``noise_std`` is added to the selected leaves' sums when ``key`` is given."""
+    sel = _tree.select(grads, need_clip, what="per-example clipping")
+    xs = [jnp.asarray(x) for x in sel.chosen]
+    # Unselected floating leaves are reduced too (not clipped): they need the batch axis.
+    rest = [
+        i
+        for i, (x, s) in enumerate(zip(sel.leaves, sel.selected))
+        if not s and reduce is not None and _is_float(x)
+    ]
+    batch = _batch_size(
+        [*xs, *(sel.leaves[i] for i in rest)],
+        [*sel.chosen_paths, *(sel.paths[i] for i in rest)],
+        fn,
+    )
+    if group is None:
+        labels, per_leaf = [None], [None] * len(xs)
+    else:
+        labels, per_leaf = _group_labels(group, sel)
+    members = tuple(tuple(i for i, lab in enumerate(per_leaf) if lab == label) for label in labels)
+    rest_xs = [jnp.asarray(sel.leaves[i]) for i in rest]
+    outs, rest_outs, norms, fractions = _arrays(
+        xs, rest_xs, clip_norm, noise_std, key, p=p, members=members, reduce=reduce, batch=batch
+    )
+    leaves = list(sel.leaves)
+    for i, y in zip([*sel.indices, *rest], [*outs, *rest_outs]):
+        leaves[i] = y
+    return (
+        sel.treedef.unflatten(leaves),
+        dict(zip(labels, norms)),
+        dict(zip(labels, fractions)),
+        batch,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("p", "members", "reduce", "batch"))
+def _arrays(
+    xs: list[Array],
+    rest: list[Array],
+    clip_norm: Any,
+    noise_std: Any,
+    key: Array | None,
+    *,
+    p: float,
+    members: tuple[tuple[int, ...], ...],
+    reduce: Reduce,
+    batch: int | None,
+) -> tuple[list[Array], list[Array], list[Array], list[Array]]:
+    """The array work, one compiled call (so eager use is one dispatch): per group of
+    ``members`` (indices into ``xs``), the per-example norms, factors and clipped fraction;
+    then each selected leaf scaled (``reduce=None``) or contracted with its factors, plus
+    noise when ``key`` is given; the unselected ``rest`` summed unclipped."""
+    norms, fractions = [], []
+    scales: list[Any] = [None] * len(xs)
+    for group in members:
+        if group:
+            n = _norms.per_example_norm_parts([xs[i] for i in group], p)
+        else:  # nothing selected: every example has norm 0
+            n = _norms.as_norm(jnp.zeros((batch or 0,), jnp.float32))
+        scale = _norms.clip_scale(n, clip_norm)
+        # Everything read from the norm is computed before the contractions, so that only
+        # the factors stay live while they run.
+        scale, value, fraction = lax.optimization_barrier(
+            (scale, n.value, jnp.mean(~scale.keep, dtype=jnp.float32))
+        )
+        norms.append(value)
+        fractions.append(fraction)
+        for i in group:
+            scales[i] = scale
+    if reduce is None:
+        outs = []
+        for x, s in zip(xs, scales):
+            kept = (x.shape[0],) + (1,) * (x.ndim - 1)
+            outs.append(_norms.apply_scale(x, _norms.Scale(*(v.reshape(kept) for v in s))))
+        return outs, list(rest), norms, fractions
+    keys = [None] * len(xs) if key is None else list(jax.random.split(key, len(xs)))
+    outs = []
+    for x, s, k in zip(xs, scales, keys):
+        total = _contract(_weights(s), x)
+        if k is not None:  # one independent draw per leaf (and per step: a fresh key)
+            std = jnp.asarray(noise_std, total.real.dtype)
+            total = total + std * jax.random.normal(k, total.shape, total.real.dtype)
+        outs.append(_finish(total, x.dtype, reduce, batch))
+    rest_outs = []
+    for x in rest:
+        total = _contract(jnp.ones((x.shape[0],), _norms.acc_dtype(x.dtype)), x)
+        rest_outs.append(_finish(total, x.dtype, reduce, batch))
+    return outs, rest_outs, norms, fractions
+
+
+def _is_float(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def _finish(total: Array, dtype: Any, reduce: Reduce, batch: int | None) -> Array:
+    """The accumulated sum as the mean when asked, rounded once into the leaf's dtype."""
+    if reduce == "mean":
+        total = total / jnp.asarray(batch, total.real.dtype)
+    return total.astype(dtype)
+
+
+def clip_tree_per_example(
+    grads: PyTree,
+    clip_norm: ArrayLike,
+    *,
+    norm_type: NormType = _checks.L2,
+    need_clip: _tree.NeedClip = None,
+    group: Group = None,
+    reduce: Reduce = "sum",
+) -> tuple[PyTree, Array | dict[Hashable, Array]]:
+    """Clips each example's gradient to norm ``clip_norm``, then sums (or averages) them.
+
+    Every selected leaf has a leading batch axis of one length ``B``; example ``b`` is the
+    slice ``[b]`` of every selected leaf, and its norm is the p-norm of those slices
+    together (per ``group`` label: the per-layer variant). An example of norm
+    ``n <= clip_norm`` is kept as it is, bit for bit; otherwise it is multiplied by
+    ``clip_norm / n`` (no epsilon). Norms are exact in bfloat16/float16 and safe from
+    overflow, as in :func:`clip_tree_by_global_norm`.
+
+    The reduction contracts the per-example factors with each leaf (no clipped copy of the
+    gradients), accumulating in float32 for 16-bit leaves; each output leaf keeps its
+    dtype. A factor ``clip_norm / n`` below float32's normal range (an example norm over
+    ``8.5e37 * clip_norm``) is flushed to 0 in the sum on backends that flush subnormals;
+    ``reduce=None`` scales each example exactly at any magnitude.
+
+    Args:
+      grads: per-example gradients: a pytree whose selected leaves have shape
+        ``(B, *param_shape)``.
+      clip_norm: the largest per-example norm, > 0.
+      norm_type: ``p > 0`` or ``float('inf')``.
+      need_clip: which leaves are clipped (see :func:`clip_by_value`); unselected
+        floating-point leaves are summed (averaged) without clipping, other leaves pass
+        through.
+      group: a callable ``group(path, leaf) -> label``: each example is clipped per
+        label, by the norm of that label's slices. ``group=lambda path, leaf: path``
+        clips each layer on its own (``optax.per_example_layer_norm_clip`` with
+        ``clip_norm = its_clip / sqrt(number of leaves)``).
+      reduce: ``"sum"``, ``"mean"``, or None to return the clipped examples.
+
+    Returns:
+      ``(tree, norms)``: the reduced (or per-example clipped) tree, and the pre-clip
+      norm of each example, shape ``(B,)`` (float32, float64 with float64 leaves); with
+      ``group``, a dict label -> norms.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxclip
+      >>> grads = {"w": jnp.array([[3.0, 0.0], [0.3, 0.0]]), "b": jnp.array([[4.0], [0.4]])}
+      >>> total, norms = jaxclip.clip_tree_per_example(grads, 2.5)  # example 0 halved
+      >>> norms
+      Array([5. , 0.5], dtype=float32)
+      >>> total["w"], total["b"]
+      (Array([1.8, 0. ], dtype=float32), Array([2.4], dtype=float32))
+
+    References:
+      Abadi et al., `Deep Learning with Differential Privacy
+      <https://arxiv.org/abs/1607.00133>`_, 2016
+    """
+    fn = "clip_tree_per_example"
+    p = _check_common(clip_norm, norm_type, reduce, group, fn)
+    tree, norms, _, _ = _per_example(grads, clip_norm, p, need_clip, group, reduce, None, None, fn)
+    return tree, (norms[None] if group is None else norms)
+
+
+def clip_per_example(
+    clip_norm: ArrayLike,
+    *,
+    reduce: Reduce = "mean",
+    noise_multiplier: ArrayLike = 0.0,
+    seed: int | Array = 0,
+    norm_type: NormType = _checks.L2,
+    need_clip: _tree.NeedClip = None,
+    group: Group = None,
+    batch_size: int | None = None,
+) -> optax.GradientTransformation:
+    """DP-SGD's aggregation: clips each example's gradient, sums them, adds noise, averages.
+
+    ``update`` takes per-example gradients (each selected leaf of shape
+    ``(B, *param_shape)``, e.g. from ``jax.vmap(jax.grad(loss), in_axes=(None, 0))``) and
+    returns one update of the params' shapes: per leaf, ``(sum_b clip(g_b) + noise) / B``
+    for ``reduce="mean"``, with Gaussian noise of standard deviation
+    ``noise_multiplier * clip_norm`` (float32 for 16-bit leaves, added before rounding)
+    drawn afresh for every leaf and every step. Clipping is as in
+    :func:`clip_tree_per_example`. Put it first in a chain; ``optax.MultiSteps`` and
+    other gradient accumulation would average noise that DP-SGD accounts once per step.
+
+    Noise goes to the selected leaves only: unselected leaves are averaged unclipped and
+    are not private. With ``group``, each label is clipped to ``clip_norm``, so an
+    example's joint norm is at most ``clip_norm * sqrt(labels)``; scale ``clip_norm`` or
+    ``noise_multiplier`` for that in the privacy accounting (which is not done here: use
+    ``dp_accounting`` from Google, or Opacus' accountant with PyTorch).
+
+    ``init`` sees the params, which have no batch axis: the state keeps per-example norms
+    only when ``batch_size`` fixes their shape (``update`` then raises for another batch
+    size); without it ``norms`` is None and only the clipped fraction is kept. A fixed
+    batch size is what DP-SGD implementations compile for anyway (Poisson-sampled batches
+    are padded to one size).
+
+    Args:
+      clip_norm: the largest per-example norm, > 0 (may be traced, so
+        ``optax.inject_hyperparams`` can schedule it).
+      reduce: ``"mean"`` (DP-SGD), ``"sum"``, or None (no noise; clipped examples).
+      noise_multiplier: the noise's standard deviation over ``clip_norm``, >= 0.
+      seed: an int, or a ``jax.random`` key, for the noise.
+      norm_type: ``p > 0`` or ``float('inf')``.
+      need_clip: which leaves are clipped (see :func:`clip_by_value`).
+      group: per-label clipping (see :func:`clip_tree_per_example`).
+      batch_size: the batch size, to keep every example's norm in the state.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`ClipPerExampleState`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxclip
+      >>> params = {"w": jnp.zeros(2)}
+      >>> loss = lambda p, x: jnp.sum((p["w"] - x) ** 2)
+      >>> xs = jnp.array([[3.0, 4.0], [0.75, 1.0]])
+      >>> grads = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, xs)
+      >>> tx = optax.chain(jaxclip.clip_per_example(5.0, batch_size=2), optax.sgd(1.0))
+      >>> updates, state = jax.jit(tx.update)(grads, tx.init(params))
+      >>> updates["w"]
+      Array([2.25, 3.  ], dtype=float32)
+      >>> state[0].norms, state[0].clipped_fraction
+      (Array([10. ,  2.5], dtype=float32), Array(0.5, dtype=float32))
+
+    References:
+      Abadi et al., `Deep Learning with Differential Privacy
+      <https://arxiv.org/abs/1607.00133>`_, 2016
+    """
+    fn = "clip_per_example"
+    p = _check_common(clip_norm, norm_type, reduce, group, fn)
+    noise = _checks._real(noise_multiplier, "noise_multiplier", fn, "a real number >= 0")
+    if noise is not None and not noise >= 0:  # also catches NaN
+        raise ValueError(
+            f"jaxclip.{fn}: noise_multiplier={noise_multiplier!r} must be >= 0 (the noise's "
+            "standard deviation over clip_norm; 0 for no noise)."
+        )
+    noisy = noise is None or noise > 0
+    if reduce is None and noisy:
+        raise ValueError(
+            f"jaxclip.{fn}: noise_multiplier > 0 needs reduce='mean' or 'sum' (noise is added "
+            "to the sum over the batch, not to each example)."
+        )
+    size = None if batch_size is None else _checks.static_int(batch_size, "batch_size", fn)
+
+    def labels_of(params: PyTree) -> list[Hashable]:
+        if group is None:
+            return [None]
+        return _group_labels(group, _tree.select(params, need_clip, what="per-example clipping"))[0]
+
+    def pack(values: dict[Hashable, Array]) -> Any:
+        return values[None] if group is None else values
+
+    def init_fn(params: PyTree) -> ClipPerExampleState:
+        labels = labels_of(params)
+        norms = None
+        if size is not None:
+            norms = pack({label: jnp.zeros((size,), jnp.float32) for label in labels})
+        fraction = pack({label: jnp.zeros((), jnp.float32) for label in labels})
+        key = jax.random.key(seed) if np.ndim(seed) == 0 and not _is_key(seed) else seed
+        return ClipPerExampleState(norms, fraction, jnp.asarray(key))
+
+    def update_fn(updates: PyTree, state: ClipPerExampleState, params: Any = None):
+        del params
+        key, sub = jax.random.split(state.key) if noisy else (state.key, None)
+        std = noise_multiplier * jnp.asarray(clip_norm, jnp.float32)
+        tree, norms, fractions, batch = _per_example(
+            updates, clip_norm, p, need_clip, group, reduce, std, sub, fn
+        )
+        if size is not None and batch != size:
+            raise ValueError(
+                f"jaxclip.{fn}: the per-example gradients have batch size {batch}, but the "
+                f"transformation was built with batch_size={size} (the state's norms have "
+                "that shape). Pass the batch size you train with, or batch_size=None."
+            )
+        if group is not None and set(norms) != set(state.clipped_fraction):
+            raise ValueError(
+                f"jaxclip.{fn}: update finds the groups {list(norms)} among the selected "
+                f"gradients, init found {list(state.clipped_fraction)} among the params. "
+                f"{_tree.SAME_SELECTION_HINT}"
+            )
+        kept = None
+        if size is not None:
+            kept = pack({k: v.astype(jnp.float32) for k, v in norms.items()})
+        return tree, ClipPerExampleState(kept, pack(fractions), key)
+
+    return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)

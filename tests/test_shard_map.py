@@ -1,0 +1,253 @@
+"""Inside ``shard_map`` every mode gives each device the single-device result with no
+``axis_name``: each leaf's partial norm is combined over exactly the mesh axes it varies
+across. Meshes of 1, 2 and 8 simulated CPU devices (see conftest.py), Auto and Explicit."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import reference as ref
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxclip
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+ALL = ("data", "expert", "model")
+# A transformer-like mix: tensor-parallel kernels, FSDP shards, experts, replicated scales
+# and biases (small ones are bucketed), a sharded bf16 leaf and a large replicated leaf.
+LEAVES = {
+    "attn/kernel": ((8, 16), np.float32, P(None, "model")),
+    "mlp/kernel": ((12, 6), np.float32, P("data")),
+    "experts/w": ((4, 3, 5), np.float32, P("expert")),
+    "both": ((4, 8), np.float32, P("data", "model")),
+    "norm/scale": ((5,), np.float32, P()),
+    "attn/bias": ((16,), np.float32, P()),
+    "emb": ((8, 4), jnp.bfloat16, P(None, "model")),
+    "big_replicated": ((160, 128), np.float32, P()),
+}
+SPECS = {k: spec for k, (_, _, spec) in LEAVES.items()}
+
+
+def _host(scale: float = 1.0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(11)
+    return {
+        k: (scale * rng.normal(size=shape)).astype(dtype) for k, (shape, dtype, _) in LEAVES.items()
+    }
+
+
+def _mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((2, 2, 2), ALL, axis_types=(AxisType.Explicit,) * 3)
+
+
+def _per_device(tree):
+    """Each device's copy of per-device values, stacked: out_specs P(ALL) on a [None]."""
+    return jax.tree.map(lambda v: jnp.asarray(v)[None], tree)
+
+
+def _run(fn, tree, mesh):
+    """``fn(tree) -> (tree_like_input, aux)`` inside shard_map; aux per device."""
+
+    def body(g):
+        out, aux = fn(g)
+        return out, _per_device(aux)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(SPECS,), out_specs=(SPECS, P(ALL))))
+    placed = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in tree.items()}
+    compiled = f.lower(placed).compile()  # once, for the result and its HLO
+    return compiled(placed), compiled.as_text()
+
+
+def _same_on_every_device(aux, single) -> None:
+    for a, b in zip(jax.tree.leaves(aux), jax.tree.leaves(single)):
+        a = np.asarray(a, np.float64)
+        assert a.shape[0] == 8
+        for row in a:  # every device the same, and the single-device value
+            np.testing.assert_allclose(row, np.asarray(b, np.float64), rtol=3e-6, atol=1e-30)
+
+
+def _whole_slices(result):
+    """The per-column norms of leaves whose columns are not split (the same on every
+    device); the others' columns are checked through the clipped leaves."""
+    clipped, norms = result
+    return clipped, {k: norms[k] for k in ("mlp/kernel", "experts/w", "norm/scale")}
+
+
+def _tx_mode(tx: optax.GradientTransformation):
+    def run(g):
+        updates, state = tx.update(g, tx.init(g), g)
+        return updates, state
+
+    return run
+
+
+MODES = {
+    "global_p2": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0),
+    "global_inf": lambda g: jaxclip.clip_tree_by_global_norm(g, 0.5, norm_type=math.inf),
+    "global_p0.5": lambda g: jaxclip.clip_tree_by_global_norm(g, 1e3, norm_type=0.5),
+    "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0),
+    "norm_inf": lambda g: jaxclip.clip_tree_by_norm(g, 0.5, norm_type=math.inf),
+    # axes=0 on leaves split over "data"/"expert" along axis 0; kept axes elsewhere.
+    "norm_axes0": lambda g: _whole_slices(
+        jaxclip.clip_tree_by_norm(g, 1.0, axes=0, axis_name=("data", "expert"))
+    ),
+    "grouped": lambda g: jaxclip.clip_tree_by_global_norm(
+        g, 1.0, group=lambda path, _: path.split("/")[0]
+    ),
+    # AGC's units reduce axis 0 (all of a vector), which "data"/"expert" split.
+    "adaptive_clip": _tx_mode(jaxclip.adaptive_clip(0.05, axis_name=("data", "expert"))),
+    "quantile_clip": _tx_mode(jaxclip.quantile_clip()),
+    "auto_clip": _tx_mode(jaxclip.auto_clip()),
+    "zclip": _tx_mode(jaxclip.zclip()),
+    "skip": _tx_mode(jaxclip.skip_large_updates(optax.sgd(1.0), 20.0)),
+}
+# One device: no mapped axes to name.
+SINGLE = {
+    "norm_axes0": lambda g: _whole_slices(jaxclip.clip_tree_by_norm(g, 1.0, axes=0)),
+    "adaptive_clip": _tx_mode(jaxclip.adaptive_clip(0.05)),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mixed_tree_every_mode_gives_each_device_the_single_device_result(mode):
+    host = _host()
+    (out, aux), hlo = _run(MODES[mode], host, _mesh())
+    single_out, single_aux = SINGLE.get(mode, MODES[mode])(jax.tree.map(jnp.asarray, host))
+    _same_on_every_device(aux, single_aux)
+    for k in host:
+        np.testing.assert_allclose(
+            np.asarray(out[k], np.float64),
+            np.asarray(single_out[k], np.float64),
+            rtol=1e-2 if host[k].dtype == jnp.bfloat16 else 3e-6,
+        )
+    # Only norms cross devices: scalars, or per-slice vectors (axes=0: 16 columns at most).
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    for line in hlo.splitlines():
+        if re.search(r"= \S+ all-reduce(-start)?\(", line):
+            for dims in re.findall(r"\w+\[([\d,]*)\]", line.split("all-reduce")[0]):
+                assert math.prod(int(d) for d in dims.split(",") if d) <= 16, line
+
+
+def test_norms_equal_the_float64_reference_at_extreme_magnitudes():
+    for scale in (1e-30, 1e25):  # the scaled path, with collectives inside its branch
+        host = {k: v for k, v in _host(scale).items() if v.dtype == np.float32}
+        specs = {k: SPECS[k] for k in host}
+
+        def body(g):
+            n2 = jaxclip.global_norm(g)
+            n1 = jaxclip.global_norm(g, 1.0)
+            _, per_leaf = jaxclip.clip_tree_by_norm(g, 1.0)
+            return _per_device((n2, n1, per_leaf))
+
+        f = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(specs,), out_specs=P(ALL)))
+        placed = {k: jax.device_put(v, NamedSharding(_mesh(), specs[k])) for k, v in host.items()}
+        n2, n1, per_leaf = f(placed)
+        np.testing.assert_allclose(n2, ref.norm(list(host.values()), 2.0), rtol=2e-6)
+        np.testing.assert_allclose(n1, ref.norm(list(host.values()), 1.0), rtol=2e-6)
+        for k, v in host.items():
+            np.testing.assert_allclose(per_leaf[k], ref.norm([v], 2.0), rtol=2e-6)
+
+
+def test_grad_through_clipping_inside_shard_map():
+    host = {k: v for k, v in _host().items() if v.dtype == np.float32}
+    specs = {k: SPECS[k] for k in host}
+
+    def loss(g):  # a norm of the clipped tree: no constant, and the same on every device
+        clipped, _ = jaxclip.clip_tree_by_global_norm(g, 1.0)
+        return jaxclip.global_norm(clipped, 3.0)
+
+    f = jax.jit(jax.shard_map(jax.grad(loss), mesh=_mesh(), in_specs=(specs,), out_specs=specs))
+    placed = {k: jax.device_put(v, NamedSharding(_mesh(), specs[k])) for k, v in host.items()}
+    got = f(placed)
+    want = jax.grad(loss)(jax.tree.map(jnp.asarray, host))
+    for k in host:
+        np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-7)
+
+
+def test_axis_name_never_counts_a_replicated_leaf_once_per_device():
+    host = {"w": np.arange(8.0, dtype=np.float32), "b": np.ones(3, np.float32)}
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+    specs = {"w": P("x"), "b": P()}
+    f = jax.jit(
+        jax.shard_map(
+            lambda g: (jaxclip.global_norm(g, axis_name="x"), jaxclip.global_norm(g)),
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=(P(), P()),
+        )
+    )
+    with_name, without = f(
+        {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
+    )
+    np.testing.assert_allclose([with_name, without], ref.norm(list(host.values()), 2.0), rtol=2e-6)
+
+
+def test_check_vma_false_needs_axis_name_as_before():
+    x = np.arange(16.0, dtype=np.float32)
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+    f = jax.jit(
+        jax.shard_map(
+            lambda g: jaxclip.global_norm(g, axis_name="x")[None],
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+            check_vma=False,
+        )
+    )
+    np.testing.assert_allclose(
+        f(jax.device_put(x, NamedSharding(mesh, P("x")))), np.full(8, ref.norm([x], 2.0)), rtol=2e-6
+    )
+
+
+def test_wrong_axis_name_and_ambiguous_slices_are_clear_errors():
+    mesh = _mesh()
+    host = _host()
+    placed = {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in host.items()}
+
+    def run(fn):
+        jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(SPECS,), out_specs=P()))(placed)
+
+    with pytest.raises(NameError, match=r"axis_name 'batch' is not a mapped axis.*'data'"):
+        run(lambda g: jaxclip.global_norm(g, axis_name="batch"))
+    with pytest.raises(
+        ValueError, match=r"leaf 'attn/kernel' varies across mesh axes \('model',\)"
+    ):
+        run(lambda g: jaxclip.clip_tree_by_norm(g, 1.0, axes=0)[1]["norm/scale"])
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["1dev", "2dev"])
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_small_meshes_with_sharded_and_replicated_small_leaves(n, kind):
+    """The one-device mesh (every laptop) and two devices: a sharded leaf next to small
+    replicated ones of several dtypes, under jit, in a chain."""
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(kind,), devices=jax.devices()[:n])
+    rng = np.random.default_rng(2)
+    host = {
+        "w": rng.normal(size=(4, 6)).astype(np.float32),
+        "b": rng.normal(size=(3,)).astype(np.float32),
+        "s": rng.normal(size=(2, 2)).astype(jnp.bfloat16),
+    }
+    specs = {"w": P("x"), "b": P(), "s": P()}
+    tx = optax.chain(jaxclip.clip_by_norm(1.0), jaxclip.clip_by_global_norm(1.0), optax.sgd(1.0))
+
+    def step(g):
+        clipped, n_global = jaxclip.clip_tree_by_global_norm(g, 1.0)
+        by_leaf, norms = jaxclip.clip_tree_by_norm(g, 1.0)
+        updates, _ = tx.update(g, tx.init(g))
+        return clipped, n_global, by_leaf, norms, updates
+
+    with jax.set_mesh(mesh):
+        placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
+        got = jax.jit(step)(placed)
+    want = step(jax.tree.map(jnp.asarray, host))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-6)
+    np.testing.assert_allclose(got[1], ref.norm(list(host.values()), 2.0), rtol=2e-6)
+    assert got[0]["w"].sharding.is_equivalent_to(placed["w"].sharding, 2)
