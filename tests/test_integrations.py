@@ -298,3 +298,18 @@ def test_clip_stats_finds_every_mode_where_tree_get_cannot():
     np.testing.assert_allclose(stats["0/global_norm"], norm, rtol=1e-6)
     np.testing.assert_allclose(stats["1/norms/w"], 13.0 * 100.0 / norm, rtol=1e-6)
     assert int(stats["2/skipped"]) == 0
+
+
+def test_clip_stats_reports_history_and_per_example_modes():
+    tx = optax.chain(
+        jaxclip.clip_per_example(150.0, reduce="sum", batch_size=2),
+        jaxclip.standard_clip(global_threshold=True, history_length=4),
+    )
+    per_example = jax.tree.map(lambda g: jnp.stack([g, 2 * g]), GRADS2)  # norms n, 2n
+    n = float(np.sqrt(3**2 + 4**2 + 12**2 + 100**2))
+    _, state = tx.update(per_example, tx.init(GRADS2), GRADS2)
+    stats = jaxclip.clip_stats(state)
+    assert stats.keys() == {"0/norms", "0/clipped_fraction", "1/threshold", "1/norm"}
+    np.testing.assert_allclose(stats["0/norms"], [n, 2 * n], rtol=1e-6)
+    np.testing.assert_allclose(stats["0/clipped_fraction"], 0.5)  # 2n > 150 > n
+    np.testing.assert_allclose(stats["1/norm"], n + 150.0, rtol=1e-6)  # n plus the clipped 2n
