@@ -3,6 +3,15 @@
 The public names, each declared here once (``name as name`` re-exports them).
 """
 
+from jaxclip._checks import NonFiniteNormError as NonFiniteNormError
+from jaxclip._selectors import Selector as Selector
+from jaxclip._selectors import by_name as by_name
+from jaxclip._selectors import by_path as by_path
+from jaxclip._selectors import exclude_biases_and_norms as exclude_biases_and_norms
+from jaxclip._selectors import exclude_names as exclude_names
+from jaxclip._selectors import exclude_paths as exclude_paths
+from jaxclip._selectors import min_rank as min_rank
+from jaxclip._stats import clip_stats as clip_stats
 from jaxclip.adaptive import AutoClipState as AutoClipState
 from jaxclip.adaptive import HistoryClipState as HistoryClipState
 from jaxclip.adaptive import SkipLargeUpdatesState as SkipLargeUpdatesState

@@ -38,6 +38,31 @@ class HyperparameterTypeError(TypeError, ValueError):
     """
 
 
+class NonFiniteNormError(FloatingPointError, jax.errors.JaxRuntimeError):
+    """A norm was inf or NaN and the mode was built with ``error_if_nonfinite=True``.
+
+    Catch ``jax.errors.JaxRuntimeError`` to catch it in every execution mode, with the
+    same message text:
+
+    - eagerly (the norm is concrete), this exception is raised as is: it is also a
+      ``FloatingPointError`` (what PyTorch's ``clip_grad_norm_`` raises) and a
+      ``jax.errors.JaxRuntimeError``;
+    - under ``jit`` (also inside ``optax.chain``, ``scan``, ``nnx.jit``, ``eqx.filter_jit``),
+      the check runs in a host callback and JAX reports any exception raised there as a
+      plain ``jax.errors.JaxRuntimeError`` whose message contains
+      ``NonFiniteNormError: <this message>``. JAX offers no way to raise another type out
+      of a compiled computation (``checkify`` needs the caller to wrap the function in
+      ``checkify.checkify`` and call ``err.throw()``), so ``except NonFiniteNormError``
+      alone catches the eager case only.
+    """
+
+    __module__ = "jaxclip"  # shown as jaxclip.NonFiniteNormError in tracebacks
+
+    def __init__(self, message: str) -> None:
+        # JaxRuntimeError's (nanobind) __init__ keeps the message its __str__ shows.
+        jax.errors.JaxRuntimeError.__init__(self, message)
+
+
 _TRACED = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
 
 
@@ -81,13 +106,29 @@ NormType = float | StaticDefault
 StaticInt = int | StaticDefault
 
 
+def static_hint(name: str, fn: str | None = None) -> str:
+    """What to do when ``optax.inject_hyperparams`` has made a static argument an array."""
+    where = f"jaxclip.{fn}" if fn else "the jaxclip transform"
+    return (
+        "optax.inject_hyperparams turns every numeric argument into a JAX array (traced under "
+        f"jit); keep {name} a Python value with static_args: "
+        f"optax.inject_hyperparams({where}, static_args=({name!r},))(...)"
+    )
+
+
+def _is_traced(value: Any) -> bool:
+    """A traced JAX array (e.g. a hyperparameter that ``inject_hyperparams`` put in the
+    state), where a static Python value is needed."""
+    return isinstance(value, jax.Array) and concrete(value) is None
+
+
 def check_norm_type(norm_type: Any) -> float:
     """``norm_type`` as a float, or a ValueError saying what is accepted."""
     if concrete(norm_type) is None:
         raise ValueError(
-            "jaxclip: norm_type must be a static Python number, not a traced array (it "
-            "decides the computation). With optax.inject_hyperparams, pass "
-            "static_args=('norm_type',)."
+            f"jaxclip: norm_type={_show(norm_type)} is traced; it must be a static Python "
+            "number (it decides the computation), e.g. 2.0 or float('inf'). "
+            f"{static_hint('norm_type')}."
         )
     try:
         p = float(norm_type)
@@ -249,8 +290,9 @@ def check_percentile(percentile: Any, fn: str) -> None:
 
 
 def check_callable(value: Any, name: str, fn: str, signature: str) -> None:
-    """An optional callable such as ``group(path, leaf) -> label``."""
-    if value is not None and not callable(value):
+    """An optional callable such as ``group(path, leaf) -> label`` (or a
+    :class:`~jaxclip.Selector` wrapping one)."""
+    if value is not None and not callable(value) and not isinstance(value, _tree.Selector):
         raise HyperparameterTypeError(
             f"jaxclip.{fn}: {name}={value!r} is a {type(value).__name__}, not a callable; pass "
             f"a function {signature}, or None."
@@ -259,6 +301,11 @@ def check_callable(value: Any, name: str, fn: str, signature: str) -> None:
 
 def static_int(value: Any, name: str, fn: str) -> int:
     """A buffer size: a Python int >= 1 (not traced; it fixes the state's shape)."""
+    if _is_traced(value):
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={_show(value)} is traced; it must be a Python int >= 1 "
+            f"(it sizes the state). {static_hint(name, fn)}."
+        )
     if isinstance(value, (bool, np.bool_)):
         n = None
     else:
@@ -368,6 +415,12 @@ def check_axes(axes: Any, fn: str = "clip_by_norm") -> tuple[int, ...] | None:
     """``axes`` as a tuple of Python ints (None stays None), or a clear error."""
     if axes is None:
         return None
+    if _is_traced(axes):
+        raise HyperparameterTypeError(
+            f"jaxclip.{fn}: axes={_show(axes)} is traced; axes decides the shapes of the "
+            "computation, so it must be a static Python int or tuple of ints, e.g. axes=1. "
+            f"{static_hint('axes', fn)}."
+        )
     bad = HyperparameterTypeError(
         f"jaxclip.{fn}: axes={axes!r} must be an int or a sequence of ints, e.g. axes=1 or "
         "axes=(0, 1) (as tf.clip_by_norm), or None for whole leaves."

@@ -1063,18 +1063,21 @@ def rescale_each(xs: Sequence[Array], norms: Sequence[Norm], clip_norms: Any) ->
 
 
 def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:
-    """Raises (eagerly, or from inside ``jit`` via a host callback) if a norm is not finite.
+    """Raises :class:`~jaxclip.NonFiniteNormError` if a norm is not finite.
 
-    Under ``jit`` this adds a device-to-host transfer of the norms and a host
-    synchronisation per call; the error then surfaces as a ``JaxRuntimeError`` whose
-    message contains this one.
+    Eagerly (concrete norms) it is raised as is. Under ``jit`` the check runs in a host
+    callback (a device-to-host transfer of the norms and a host synchronisation per call),
+    and JAX reports the error as a ``jax.errors.JaxRuntimeError`` whose message contains
+    this one; ``NonFiniteNormError`` subclasses ``JaxRuntimeError``, so ``except
+    jax.errors.JaxRuntimeError`` catches both with the same message.
     """
+    from jaxclip._checks import NonFiniteNormError
 
     def check(*vals: Any) -> None:
         for v, name in zip(vals, names):
             v = np.asarray(v)
             if not np.all(np.isfinite(v)):
-                raise FloatingPointError(
+                raise NonFiniteNormError(
                     f"jaxclip: the {name} is non-finite ({v.max() if v.size else v}): the "
                     "gradients hold inf or NaN. Find where they come from, or pass "
                     "error_if_nonfinite=False to let NaN/inf propagate as in PyTorch."

@@ -8,6 +8,7 @@ Unselected leaves are handed back as the very same objects.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
@@ -16,13 +17,79 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util as jtu
 
+from jaxclip._selectors import Selector
+
 PyTree = Any
-NeedClip = None | bool | PyTree | Callable[[str, Any], bool]
+NeedClip = None | bool | PyTree | Callable[[str, Any], bool] | Selector
 
 
 def path_str(path: Sequence[Any]) -> str:
     """A key path joined with ``/``, e.g. ``"encoder/0/kernel"``; ``""`` for the root."""
     return jtu.keystr(tuple(path), simple=True, separator="/")
+
+
+def _wrapper_types() -> tuple[type, ...]:
+    """The variable wrappers whose ``value`` key is left out of paths.
+
+    Flax NNX's ``Variable`` (``nnx.Param``...) flattens to its ``value`` attribute, so
+    ``nnx.grad`` output and ``nnx.state`` have paths ``l1/kernel/value`` where the
+    user's parameter is ``l1/kernel``; linen's boxed ``AxisMetadata``
+    (``nn.with_partitioning``'s ``nn.Partitioned``) likewise. Looked up only if Flax is
+    already imported, so jaxclip never imports it.
+    """
+    types: list[type] = []
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None:
+        # vars(): older Flax's separate VariableState, without touching the deprecated alias
+        for name in ("Variable", "VariableState"):
+            t = vars(nnx).get(name)
+            if isinstance(t, type) and t not in types:
+                types.append(t)
+    meta = sys.modules.get("flax.core.meta")
+    if meta is not None and isinstance(getattr(meta, "AxisMetadata", None), type):
+        types.append(meta.AxisMetadata)
+    return tuple(types)
+
+
+def _is_value_key(key: Any) -> bool:
+    return isinstance(key, jtu.GetAttrKey) and key.name == "value"
+
+
+def flatten_with_paths(tree: PyTree) -> tuple[list[tuple[Any, ...]], list[Any], Any]:
+    """``(key_paths, leaves, treedef)`` of ``tree``, the paths as users name the leaves.
+
+    The one place where paths are built: the ``value`` key of a variable wrapper (see
+    :func:`_wrapper_types`) is dropped, so a parameter has the same path in the params,
+    in ``nnx.grad``'s output and inside ``nnx.Optimizer`` (``l1/kernel``). Plain dicts,
+    linen's (Frozen)dicts and Equinox modules (attribute names) keep their keys.
+    """
+    flat, treedef = jtu.tree_flatten_with_path(tree)
+    paths = [tuple(p) for p, _ in flat]
+    leaves = [x for _, x in flat]
+    wrappers = _wrapper_types()
+    if wrappers and any(_is_value_key(k) for p in paths for k in p):
+        is_wrapper = lambda x: isinstance(x, wrappers)  # noqa: E731
+        paths = []
+        for outer, x in jtu.tree_flatten_with_path(tree, is_leaf=is_wrapper)[0]:
+            if not is_wrapper(x):
+                paths.append(tuple(outer))
+                continue
+            for q, _ in jtu.tree_flatten_with_path(x)[0]:
+                q = tuple(q)
+                paths.append(tuple(outer) + (q[1:] if q and _is_value_key(q[0]) else q))
+    return paths, leaves, treedef
+
+
+def user_paths(tree: PyTree) -> list[str]:
+    """The ``/``-joined path of every leaf of ``tree`` as users name it (see
+    :func:`flatten_with_paths`), in flat order.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> user_paths({"l1": {"kernel": jnp.ones(2), "bias": jnp.ones(1)}})
+      ['l1/bias', 'l1/kernel']
+    """
+    return [path_str(p) for p in flatten_with_paths(tree)[0]]
 
 
 def shown(path: str) -> str:
@@ -86,8 +153,8 @@ def _mask_entries(mask: PyTree, tree: PyTree, gpaths: list[tuple[Any, ...]]) -> 
     """For each leaf of ``tree``, the bool of the ``need_clip`` entry over it (``mask`` is
     a prefix of ``tree``; ``jax.tree.broadcast`` does the matching, this names the path
     where it fails)."""
-    mflat, _ = jtu.tree_flatten_with_path(mask)
-    for mpath, m in mflat:
+    mkeys, mleaves, _ = flatten_with_paths(mask)
+    for mpath, m in zip(mkeys, mleaves):
         if not _is_bool(m):
             raise TypeError(
                 f"jaxclip: need_clip at {shown(path_str(mpath))} is {m!r} of type "
@@ -98,7 +165,7 @@ def _mask_entries(mask: PyTree, tree: PyTree, gpaths: list[tuple[Any, ...]]) -> 
         return [bool(m) for m in jax.tree.leaves(jax.tree.broadcast(mask, tree))]
     except ValueError:
         pass
-    mpaths = [tuple(p) for p, _ in mflat]
+    mpaths = list(mkeys)
     for gpath in gpaths:
         if not any(gpath[: len(m)] == m for m in mpaths):
             raise ValueError(
@@ -148,8 +215,8 @@ def check_same_selection(init_paths: Sequence[str], update_paths: Sequence[str],
 
 def leaves_by_path(tree: PyTree) -> dict[str, Any]:
     """Every leaf of ``tree`` keyed by its ``/``-joined path, with no selection or checks."""
-    flat, _ = jtu.tree_flatten_with_path(tree)
-    return {path_str(p): x for p, x in flat}
+    paths, leaves, _ = flatten_with_paths(tree)
+    return {path_str(p): x for p, x in zip(paths, leaves)}
 
 
 def _is_bool(m: Any) -> bool:
@@ -158,14 +225,23 @@ def _is_bool(m: Any) -> bool:
     )
 
 
-def is_selector_function(need_clip: Any) -> TypeGuard[Callable[[str, Any], bool]]:
+def as_function(rule: Any) -> Any:
+    """A ``need_clip`` or ``group`` rule as a plain function ``(path, leaf) -> value``
+    (a :class:`~jaxclip.Selector` unwrapped; anything else as given)."""
+    return rule.matches if isinstance(rule, Selector) else rule
+
+
+def is_selector_function(need_clip: Any) -> TypeGuard[Callable[[str, Any], bool] | Selector]:
     """Whether ``need_clip`` is a function ``need_clip(path, leaf)`` rather than a mask tree.
 
     A callable that is a pytree leaf (a function, a lambda, a bound method) is a function. A
     callable pytree node is a mask when all its leaves are bools: an Equinox module built
     with ``jax.tree.map(lambda _: True, model)`` is callable but is a mask. Other callable
-    nodes (``jax.tree_util.Partial``) are functions.
+    nodes (``jax.tree_util.Partial``) are functions. A :class:`~jaxclip.Selector` (not
+    callable, so that ``optax.inject_hyperparams`` passes it through) is a function too.
     """
+    if isinstance(need_clip, Selector):
+        return True
     if not callable(need_clip):
         return False
     leaves = jtu.tree_leaves(need_clip)
@@ -186,8 +262,10 @@ def select(
     Args:
       tree: the gradients (or params, in ``init``).
       need_clip: None (every floating-point leaf), a bool pytree that is a prefix of
-        ``tree`` (also a callable one, such as an Equinox module of bools), or a function
-        ``need_clip(path, leaf) -> bool`` (see :func:`is_selector_function`). A bool may
+        ``tree`` (also a callable one, such as an Equinox module of bools), a function
+        ``need_clip(path, leaf) -> bool`` or a :class:`~jaxclip.Selector` (see
+        :func:`is_selector_function`); ``path`` is the leaf's path as users name it (see
+        :func:`flatten_with_paths`). A bool may
         stand over a None, ``optax.MaskedNode`` or empty (``{}``) subtree of ``tree``.
       allow_complex: whether complex leaves may be selected (not for value clipping).
       what: the operation, for error messages.
@@ -199,18 +277,16 @@ def select(
       ValueError: a need_clip tree that does not fit ``tree``.
       TypeError: a callable returning a non-bool, or a selected integer/bool/complex leaf.
     """
-    flat, treedef = jtu.tree_flatten_with_path(tree)
-    gpaths = [tuple(p) for p, _ in flat]
-    leaves = [x for _, x in flat]
+    gpaths, leaves, treedef = flatten_with_paths(tree)
     paths = [path_str(p) for p in gpaths]
     dtypes = [leaf_dtype(x, p) for x, p in zip(leaves, paths)]
 
     if need_clip is None:
         wanted = [jnp.issubdtype(d, jnp.inexact) for d in dtypes]
     elif is_selector_function(need_clip):
-        wanted = []
+        wanted, fn = [], as_function(need_clip)
         for x, p in zip(leaves, paths):
-            w = need_clip(p, x)
+            w = fn(p, x)
             if not isinstance(w, (bool, np.bool_)):
                 raise TypeError(
                     f"jaxclip: need_clip({p!r}, leaf) returned {w!r} of type "

@@ -190,7 +190,7 @@ def clip_tree_by_global_norm(
     axis_name: _norms.AxisName = None,
     use_norm: ArrayLike | None = None,
     error_if_nonfinite: bool = False,
-    group: Callable[[str, Any], Hashable] | None = None,
+    group: Callable[[str, Any], Hashable] | _tree.Selector | None = None,
 ) -> tuple[PyTree, Any]:
     """Scales all selected leaves together so that their joint norm is at most ``clip_norm``.
 
@@ -263,10 +263,11 @@ def _rescaled(
 
 
 def _group_labels(
-    group: Callable[[str, Any], Hashable], sel: _tree.Selection
+    group: Callable[[str, Any], Hashable] | _tree.Selector, sel: _tree.Selection
 ) -> tuple[list[Hashable], list[Hashable]]:
     """The distinct labels (first-seen order) and the label of each selected leaf."""
-    per_leaf = [group(path, x) for path, x in zip(sel.chosen_paths, sel.chosen)]
+    label_of = _tree.as_function(group)
+    per_leaf = [label_of(path, x) for path, x in zip(sel.chosen_paths, sel.chosen)]
     for path, label in zip(sel.chosen_paths, per_leaf):
         if label is None:
             raise TypeError(
@@ -276,7 +277,9 @@ def _group_labels(
     return list(dict.fromkeys(per_leaf)), per_leaf
 
 
-def _check_same_groups(init_norms: Any, norms: dict, updates: PyTree, group: Callable) -> None:
+def _check_same_groups(
+    init_norms: Any, norms: dict, updates: PyTree, group: Callable | _tree.Selector
+) -> None:
     """A ValueError naming a group (and a leaf of it) when ``update``'s groups differ from
     the ones in the state ``init`` built, so that the states would not match."""
     if not isinstance(init_norms, dict) or set(init_norms) == set(norms):
@@ -292,7 +295,7 @@ def _check_same_groups(init_norms: Any, norms: dict, updates: PyTree, group: Cal
     label, example = missing[0], ""
     for path, leaf in _tree.leaves_by_path(updates).items():
         try:
-            if group(path, leaf) == label:
+            if _tree.as_function(group)(path, leaf) == label:
                 example = f" (e.g. the leaf at {_tree.shown(path)})"
                 break
         except (TypeError, ValueError, AttributeError, KeyError, IndexError):
@@ -331,8 +334,13 @@ def clip_by_value(
         ``ParamAttr(need_clip=...)``; a bool may also stand over an empty ``{}``,
         ``None`` or ``optax.MaskedNode`` subtree), or a function
         ``need_clip(path, leaf) -> bool`` where ``path`` is ``"/"``-joined, e.g.
-        ``"linear/bias"``. A callable pytree whose leaves are all bools, such as an
-        Equinox module built with ``jax.tree.map(lambda _: True, model)``, is a mask,
+        ``"linear/bias"``, as users name the leaf (Flax NNX's ``l1/bias``, without the
+        ``value`` of its Variables), or a rule such as
+        :func:`~jaxclip.exclude_biases_and_norms`, :func:`~jaxclip.exclude_names` or
+        :func:`~jaxclip.min_rank` (a :class:`~jaxclip.Selector`, which also passes
+        through ``optax.inject_hyperparams`` untouched; a plain function there needs
+        ``static_args=("need_clip",)``). A callable pytree whose leaves are all bools,
+        such as an Equinox module built with ``jax.tree.map(lambda _: True, model)``, is a mask,
         not a function. A function is called on the params in ``init`` and on the
         updates in ``update``: select by path or shape, not by dtype or value, so that
         both select the same leaves (where the states would then differ,
@@ -384,7 +392,8 @@ def clip_by_norm(
         updates) must select the same leaves; ``update`` raises a ValueError naming the
         first leaf where the state it is given says otherwise.
       error_if_nonfinite: raise, also under ``jit``, when a norm is inf or NaN; costs a
-        device-to-host transfer and a sync per step.
+        device-to-host transfer and a sync per step. Catch ``jax.errors.JaxRuntimeError``
+        (see :class:`~jaxclip.NonFiniteNormError`).
       axis_name: not needed under ``jit`` (sharded arrays). Inside ``shard_map`` a whole
         leaf's norm is combined over the mesh axes the leaf varies across; a per-slice
         norm (``axes``) of a leaf split across devices needs the mesh axes that split
@@ -446,14 +455,15 @@ def clip_by_global_norm(
     need_clip: _tree.NeedClip = None,
     axis_name: _norms.AxisName = None,
     error_if_nonfinite: bool = False,
-    group: Callable[[str, Any], Hashable] | None = None,
+    group: Callable[[str, Any], Hashable] | _tree.Selector | None = None,
 ) -> optax.GradientTransformation:
     """Scales all selected updates together so that their joint norm is at most ``clip_norm``.
 
     With ``n`` the norm of all selected leaves as one vector: if ``n <= clip_norm`` the
     updates are returned bit for bit, else multiplied by ``clip_norm / n`` (no epsilon:
     Paddle and TensorFlow agree exactly, PyTorch to within its ``1e-6``). The pre-clip
-    norm is kept in the state, so ``optax.tree.get(state, "global_norm")`` logs it.
+    norm is kept in the state: :func:`~jaxclip.clip_stats` (or, with a single jaxclip mode
+    in the chain, ``optax.tree.get(state, "global_norm")``) logs it.
 
     The counterpart of Paddle's ``ClipGradByGlobalNorm``, PyTorch's
     ``clip_grad_norm_(params, max_norm, norm_type)``, ``tf.clip_by_global_norm`` and
@@ -470,7 +480,8 @@ def clip_by_global_norm(
         across; give it under ``pmap`` (or ``shard_map(check_vma=False)``) to name the
         mapped axes the leaves are split over, or ``()`` to combine nothing.
       error_if_nonfinite: raise, also under ``jit``, when the global norm is inf or NaN;
-        costs a device-to-host transfer and a sync per step.
+        costs a device-to-host transfer and a sync per step. Catch
+        ``jax.errors.JaxRuntimeError`` (see :class:`~jaxclip.NonFiniteNormError`).
       group: a callable ``group(path, leaf) -> label`` (Paddle's ``group_name``): each
         label's leaves are clipped by their own global norm, and the state holds a dict
         label -> norm. ``init`` (on the params) and ``update`` (on the updates) must find

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxclip
@@ -87,3 +90,47 @@ def test_complex_leaf_in_value_clipping():
 def test_non_array_leaf_names_path():
     with pytest.raises(TypeError, match=r"leaf at 'name' is a str"):
         jaxclip.global_norm({"name": "kernel", "w": np.ones(2)})
+
+
+# ---------------------------------------------------------------------------------------
+# error_if_nonfinite: one exception type to catch, eagerly and under jit, with one message.
+
+BAD = {"enc": {"w": jnp.array([1.0, jnp.inf])}, "b": jnp.array([1.0])}
+NONFINITE = {
+    "global": (
+        lambda: jaxclip.clip_by_global_norm(1.0, error_if_nonfinite=True),
+        "jaxclip: the global norm is non-finite (inf): the gradients hold inf or NaN.",
+    ),
+    "per-leaf": (
+        lambda: jaxclip.clip_by_norm(1.0, error_if_nonfinite=True),
+        "jaxclip: the norm of the leaf at 'enc/w' is non-finite (inf)",
+    ),
+    "group": (
+        lambda: jaxclip.clip_by_global_norm(
+            1.0, error_if_nonfinite=True, group=lambda path, leaf: path.split("/")[0]
+        ),
+        "jaxclip: the global norm of group 'enc' is non-finite (inf)",
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", NONFINITE)
+def test_error_if_nonfinite_is_one_exception_eager_jit_and_chain(mode):
+    make, message = NONFINITE[mode]
+    tx = make()
+    chain = optax.chain(make(), optax.sgd(0.1))
+    runs = {
+        "eager": lambda: tx.update(BAD, tx.init(BAD)),
+        "jit": lambda: jax.jit(tx.update)(BAD, tx.init(BAD)),
+    }
+    if mode == "global":
+        runs["chain in jit"] = lambda: jax.jit(chain.update)(BAD, chain.init(BAD), BAD)
+    for how, run in runs.items():
+        with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(message)) as info:
+            jax.block_until_ready(run())
+        if how == "eager":  # the jaxclip type itself, also PyTorch's FloatingPointError
+            assert type(info.value) is jaxclip.NonFiniteNormError
+            assert isinstance(info.value, FloatingPointError)
+            assert str(info.value).startswith(message)
+        else:  # JAX wraps what a host callback raises; the jaxclip type is named in it
+            assert f"NonFiniteNormError: {message}" in str(info.value)

@@ -214,3 +214,102 @@ def test_equinox_filtered_gradients_with_none_leaves():
     assert losses[-1] < 0.5 * losses[0]
     last_norm = ref.norm(jax.tree.leaves(grads), 2.0)
     np.testing.assert_allclose(optax.tree.get(state, "global_norm"), last_norm, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# optax.inject_hyperparams with jaxclip's static arguments, and clip_stats for logging.
+
+GRADS2 = {"w": jnp.array([[3.0, 4.0], [0.0, 12.0]]), "b": jnp.array([100.0, 0.0])}
+
+
+def test_inject_hyperparams_takes_selectors_without_static_args():
+    schedule = optax.linear_schedule(20.0, 10.0, transition_steps=1)
+    tx = optax.inject_hyperparams(jaxclip.clip_by_global_norm)(
+        clip_norm=schedule,
+        need_clip=jaxclip.exclude_names("b"),
+        group=jaxclip.Selector(lambda path, leaf: "all"),
+    )
+    update = jax.jit(tx.update)
+    state = tx.init(GRADS2)
+    for clip_norm in (20.0, 10.0):  # the norm of w is 13: unclipped, then clipped
+        out, state = update(GRADS2, state)
+        assert out["b"] is not None and np.array_equal(out["b"], GRADS2["b"])
+        np.testing.assert_allclose(
+            out["w"], ref.f64(GRADS2["w"]) * min(1.0, clip_norm / 13.0), rtol=1e-6
+        )
+        stats = jaxclip.clip_stats(state)
+        assert stats.keys() == {"clip_norm", "global_norm/all"}
+        np.testing.assert_allclose(stats["clip_norm"], clip_norm)
+        np.testing.assert_allclose(stats["global_norm/all"], 13.0, rtol=1e-6)
+
+
+def test_inject_hyperparams_static_arguments_say_what_to_pass():
+    # A plain function is taken for a schedule by optax (called with the step count)
+    # before jaxclip sees it: the error is Python's; static_args (or a Selector) fixes it.
+    with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'leaf'"):
+        optax.inject_hyperparams(jaxclip.clip_by_global_norm)(
+            clip_norm=1.0, need_clip=lambda path, leaf: True
+        ).init(GRADS2)
+    tx = optax.inject_hyperparams(jaxclip.clip_by_global_norm, static_args=("need_clip",))(
+        clip_norm=1.0, need_clip=lambda path, leaf: path != "b"
+    )
+    out, _ = tx.update(GRADS2, tx.init(GRADS2))
+    np.testing.assert_allclose(out["w"], ref.f64(GRADS2["w"]) / 13.0, rtol=1e-6)
+    # axes becomes an array: concrete (eager) it works; traced (jit) the error says what
+    # to pass.
+    tx = optax.inject_hyperparams(jaxclip.clip_by_norm)(clip_norm=5.0, axes=0)
+    out, _ = tx.update(GRADS2, tx.init(GRADS2))
+    np.testing.assert_allclose(
+        out["w"], [[3.0, 5 * 4 / np.hypot(4, 12)], [0.0, 5 * 12 / np.hypot(4, 12)]], rtol=1e-6
+    )
+    with pytest.raises(ValueError, match=r"axes=.* is traced.*static_args=\('axes',\)"):
+        jax.jit(tx.update)(GRADS2, tx.init(GRADS2))
+    tx = optax.inject_hyperparams(jaxclip.clip_by_norm, static_args=("axes",))(
+        clip_norm=5.0, axes=0
+    )
+    out2, _ = jax.jit(tx.update)(GRADS2, tx.init(GRADS2))
+    np.testing.assert_allclose(out2["w"], out["w"], rtol=1e-6)
+
+
+def test_clip_stats_finds_every_mode_where_tree_get_cannot():
+    tx = optax.chain(
+        optax.inject_hyperparams(jaxclip.clip_by_global_norm)(clip_norm=100.0),
+        jaxclip.clip_by_norm(50.0, need_clip=jaxclip.min_rank(2)),
+        jaxclip.skip_large_updates(optax.chain(jaxclip.zclip(warmup_steps=2)), threshold=1e3),
+        optax.sgd(0.1),
+    )
+    ms = optax.MultiSteps(tx, every_k_schedule=1)
+    state = ms.init(GRADS2)
+    _, state = jax.jit(ms.update)(GRADS2, state, GRADS2)
+    with pytest.raises(KeyError, match="Found multiple values"):
+        optax.tree.get(state, "global_norm")
+    stats = jaxclip.clip_stats(state)
+    norm = float(np.sqrt(3**2 + 4**2 + 12**2 + 100**2))
+    assert stats.keys() == {
+        "0/clip_norm",
+        "0/global_norm",
+        "1/norms/w",
+        "2/global_norm",
+        "2/skipped",
+        "2/0/global_norm",
+        "2/0/threshold",
+    }
+    np.testing.assert_allclose(stats["0/clip_norm"], 100.0)
+    np.testing.assert_allclose(stats["0/global_norm"], norm, rtol=1e-6)
+    np.testing.assert_allclose(stats["1/norms/w"], 13.0 * 100.0 / norm, rtol=1e-6)
+    assert int(stats["2/skipped"]) == 0
+
+
+def test_clip_stats_reports_history_and_per_example_modes():
+    tx = optax.chain(
+        jaxclip.clip_per_example(150.0, reduce="sum", batch_size=2),
+        jaxclip.standard_clip(global_threshold=True, history_length=4),
+    )
+    per_example = jax.tree.map(lambda g: jnp.stack([g, 2 * g]), GRADS2)  # norms n, 2n
+    n = float(np.sqrt(3**2 + 4**2 + 12**2 + 100**2))
+    _, state = tx.update(per_example, tx.init(GRADS2), GRADS2)
+    stats = jaxclip.clip_stats(state)
+    assert stats.keys() == {"0/norms", "0/clipped_fraction", "1/threshold", "1/norm"}
+    np.testing.assert_allclose(stats["0/norms"], [n, 2 * n], rtol=1e-6)
+    np.testing.assert_allclose(stats["0/clipped_fraction"], 0.5)  # 2n > 150 > n
+    np.testing.assert_allclose(stats["1/norm"], n + 150.0, rtol=1e-6)  # n plus the clipped 2n
