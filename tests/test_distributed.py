@@ -71,7 +71,13 @@ def _collectives_are_small(hlo: str, max_elems: int) -> None:
 
 
 @pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(m, marks=[pytest.mark.slow] if m in ("global_p1", "value") else [])
+        for m in MODES
+    ],
+)
 def test_jit_over_mesh_matches_single_device(mode, kind):
     host = _grads()
     mesh = _mesh(kind)

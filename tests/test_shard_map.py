@@ -115,7 +115,13 @@ SINGLE = {
 }
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+# The default run keeps one mode of each kind; the rest run in the slow CI step.
+SLOW_MODES = {"global_p0.5", "norm_inf", "grouped", "quantile_clip", "auto_clip"}
+
+
+@pytest.mark.parametrize(
+    "mode", [pytest.param(m, marks=[pytest.mark.slow] if m in SLOW_MODES else []) for m in MODES]
+)
 def test_mixed_tree_every_mode_gives_each_device_the_single_device_result(mode):
     host = _host()
     (out, aux), hlo = _run(MODES[mode], host, _mesh())
@@ -135,6 +141,7 @@ def test_mixed_tree_every_mode_gives_each_device_the_single_device_result(mode):
                 assert math.prod(int(d) for d in dims.split(",") if d) <= 16, line
 
 
+@pytest.mark.slow
 def test_norms_equal_the_float64_reference_at_extreme_magnitudes():
     for scale in (1e-30, 1e25):  # the scaled path, with collectives inside its branch
         host = {k: v for k, v in _host(scale).items() if v.dtype == np.float32}
@@ -155,6 +162,7 @@ def test_norms_equal_the_float64_reference_at_extreme_magnitudes():
             np.testing.assert_allclose(per_leaf[k], ref.norm([v], 2.0), rtol=2e-6)
 
 
+@pytest.mark.slow
 def test_grad_through_clipping_inside_shard_map():
     host = {k: v for k, v in _host().items() if v.dtype == np.float32}
     specs = {k: SPECS[k] for k in host}
@@ -222,7 +230,7 @@ def test_wrong_axis_name_and_ambiguous_slices_are_clear_errors():
         run(lambda g: jaxclip.clip_tree_by_norm(g, 1.0, axes=0)[1]["norm/scale"])
 
 
-@pytest.mark.parametrize("n", [1, 2], ids=["1dev", "2dev"])
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1dev", "2dev"])
 @pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_small_meshes_with_sharded_and_replicated_small_leaves(n, kind):
     """The one-device mesh (every laptop) and two devices: a sharded leaf next to small
