@@ -116,7 +116,7 @@ SINGLE = {
 
 
 # The default run keeps one mode of each kind; the rest run in the slow CI step.
-SLOW_MODES = {"global_p0.5", "norm_inf", "grouped", "quantile_clip", "auto_clip"}
+SLOW_MODES = {"global_p0.5", "norm_inf", "grouped", "quantile_clip", "auto_clip", "adaptive_clip"}
 
 
 @pytest.mark.parametrize(
