@@ -45,14 +45,14 @@ grads = {"linear": {"weight": jnp.full((3, 4), 2.0), "bias": jnp.array([3.0, -4.
     ),
     (
         "md",
-        "## In a training chain\nThe state keeps the pre-clip global norm; `optax.tree.get` finds it anywhere in the chain.",
+        "## In a training chain\nThe state keeps the pre-clip global norm; `jaxclip.clip_stats` finds every jaxclip norm and threshold anywhere in the chain, keyed by position.",
     ),
     (
         "code",
         """tx = optax.chain(jaxclip.clip_by_global_norm(1.0), optax.adamw(1e-3))
 opt_state = tx.init(params)
 updates, opt_state = jax.jit(tx.update)(grads, opt_state, params)
-print("global norm before clipping:", optax.tree.get(opt_state, "global_norm"))
+print("global norm before clipping:", jaxclip.clip_stats(opt_state))
 print("by hand:", (12 * 2.0**2 + 3**2 + 4**2 + 12**2 + 2 * 0.5**2) ** 0.5)""",
     ),
     (
@@ -67,7 +67,8 @@ the very same arrays and are left out of the norm.""",
         """as_tree = jaxclip.clip_by_global_norm(1.0, need_clip={"linear": {"weight": True, "bias": False}, "head": True})
 as_prefix = jaxclip.clip_by_global_norm(1.0, need_clip={"linear": True, "head": False})
 as_callable = jaxclip.clip_by_global_norm(1.0, need_clip=lambda path, leaf: not path.endswith("bias"))
-for name, tx in [("tree", as_tree), ("prefix", as_prefix), ("callable", as_callable)]:
+as_helper = jaxclip.clip_by_global_norm(1.0, need_clip=jaxclip.exclude_names("bias"))
+for name, tx in [("tree", as_tree), ("prefix", as_prefix), ("callable", as_callable), ("helper", as_helper)]:
     out, state = tx.update(grads, tx.init(params))
     print(f"{name:8s} norm {float(state.global_norm):.4f}  bias untouched: {out['linear']['bias'] is grads['linear']['bias']}")""",
     ),
@@ -289,7 +290,7 @@ for case in rec["paddle"]["steps"]:
 | `paddle.nn.ClipGradByValue(max=1, min=-1)` | `jaxclip.clip_by_value(max=1.0, min=-1.0)` |
 | `paddle.nn.ClipGradByNorm(1.0)` | `jaxclip.clip_by_norm(1.0)` |
 | `paddle.nn.ClipGradByGlobalNorm(1.0)` | `jaxclip.clip_by_global_norm(1.0)` |
-| `ParamAttr(need_clip=False)` on the bias | `need_clip={"weight": True, "bias": False}` or `lambda path, leaf: not path.endswith("bias")` |
+| `ParamAttr(need_clip=False)` on the bias | `need_clip={"weight": True, "bias": False}` or `jaxclip.exclude_names("bias")` |
 | `torch.nn.utils.clip_grad_norm_(ps, m, norm_type=p)` | `jaxclip.clip_tree_by_global_norm(grads, m, norm_type=p)` -> `(grads, total)` |
 | `torch.nn.utils.clip_grad_value_(ps, v)` | `jaxclip.clip_by_value(v)` |
 | `tf.clip_by_norm(t, c, axes=[1])` | `jaxclip.clip_tree_by_norm(t, c, axes=1)[0]` |
