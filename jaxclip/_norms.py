@@ -454,10 +454,9 @@ def combine_axes(x: Any, axis_name: AxisName, whole: bool, path: str = "") -> Co
 
     Inside ``shard_map`` (``check_vma=True``) a whole-array norm is combined over exactly
     the mesh axes ``x`` varies across: a replicated leaf counts once, a tensor-parallel
-    shard over its axis. ``axis_name`` overrides (``pmap``, named ``vmap``,
-    ``check_vma=False``); where JAX tracks varying axes, a mesh axis ``x`` does not vary
-    across is still left out (a replicated leaf is never counted once per device).
-    ``axis_name=()`` combines nothing.
+    shard over its axis; ``axis_name`` adds only axes that are not mesh axes (a named
+    ``vmap``'s). Where JAX does not track varying axes (``pmap``, ``check_vma=False``)
+    ``axis_name`` names the axes to combine over; ``axis_name=()`` combines nothing.
 
     A per-slice norm (``whole=False``) of a varying ``x`` needs ``axis_name``: the local
     block's shape does not say whether the reduced or the kept dimensions are split.
@@ -479,7 +478,16 @@ def combine_axes(x: Any, axis_name: AxisName, whole: bool, path: str = "") -> Co
     if not tracked:
         return names
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if whole:  # a whole-array norm: every axis x varies across, unambiguously
+        return tuple(sorted(varying)) + tuple(n for n in names if n not in manual)
     return tuple(n for n in names if n in varying or n not in manual)
+
+
+def _has_unmapped(combines: Sequence[Combine]) -> bool:
+    """Whether some combine axis is not a mesh axis (a named ``vmap``'s): the custom
+    batching rules run outside the batching trace, where such a collective is unbound."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return any(n not in manual for c in combines for n in c)
 
 
 # ----------------------------------------------------------------------------------------
@@ -636,7 +644,12 @@ def clip_slices(
       dimensions removed (a scalar for a whole leaf).
     """
     norms, where = _slice_unit_norms(leaves, p, axes, bucket, axis_name, paths)
-    per_unit = [(n.value, *clip_scale(n, clip_norm)) for n in norms]
+
+    def factors(frac: Array, exp: Array) -> tuple[Array, ...]:
+        n = Norm(frac, exp)
+        return (n.value, *clip_scale(n, clip_norm))
+
+    per_unit = _stacked(factors, [n.frac for n in norms], [n.exp for n in norms])
     out, values = [], []
     for x, a, (value, *scale) in zip(leaves, axes, _per_leaf(leaves, per_unit, where)):
         out.append(apply_scale(x, Scale(*scale)))
@@ -653,6 +666,8 @@ def _unit_norms_impl(
 ) -> list[Norm]:
     """Norms over ``axes`` (keepdims) of each array, overflow-safe, with one shared cond;
     partial norms combined over each array's mapped axes (per-slice vectors, no data)."""
+    if _has_unmapped(combines):
+        return _unit_norms_body(units, p, axes, bucketed, combines)
     return _batchable_unit_norms(p, axes, bucketed, combines)(units)
 
 
@@ -692,11 +707,11 @@ def _unit_norms_body(
     natives = [_native(x, b, p=p) for x, b in zip(units, bucketed)]
     accs = [acc_dtype(x.dtype) for x in units]
     if p == math.inf:
-        out = []
-        for x, a, acc, nat, c in zip(units, axes, accs, natives, combines):
-            m = _pmax(_inf_norm(x, a, acc, nat), c)
-            out.append(_special(m, _from_root(m, jnp.zeros_like(m))))
-        return out
+        ms = [
+            _pmax(_inf_norm(x, a, acc, nat), c)
+            for x, a, acc, nat, c in zip(units, axes, accs, natives, combines)
+        ]
+        return _stacked(lambda m: _special(m, _from_root(m, jnp.zeros_like(m))), ms)
     sums = [
         _psum(_power_sum(x, p, a, nat), c) for x, a, nat, c in zip(units, axes, natives, combines)
     ]
@@ -704,31 +719,72 @@ def _unit_norms_body(
     all_ok = jnp.all(jnp.stack([jnp.all(ok) for ok in oks]))
 
     def fast() -> list[Norm]:
-        return [_root_norm(s, p) for s in sums]
+        return _stacked(lambda s: _root_norm(s, p), sums)
 
     def scaled() -> list[Norm]:
         # Per unit: only a unit with a slice out of range reads its data again, and only
         # to find its maxima when those slices are all zeros (a frozen leaf, unused rows).
-        return [
-            lax.cond(jnp.all(ok), lambda f=f: f, functools.partial(rare, x, a, b, c, f, ok))
-            for x, a, b, c, f, ok in zip(units, axes, bucketed, combines, fast(), oks)
+        parts = [
+            lax.cond(
+                jnp.all(ok),
+                lambda s=s: (jnp.zeros_like(s), jnp.full_like(s, -jnp.inf), jnp.zeros_like(s)),
+                functools.partial(rare, x, a, b, c, ok),
+            )
+            for x, a, b, c, s, ok in zip(units, axes, bucketed, combines, sums, oks)
         ]
+        ms, es, ts = (list(v) for v in zip(*parts))
+        return _stacked(finish, sums, oks, ms, es, ts)
 
-    def rare(x: Array, a: Axes, b: bool, c: Combine, f: Norm, ok: Array) -> Norm:
+    def finish(s: Array, ok: Array, m: Array, e: Array, t: Array) -> Norm:
+        f = _root_norm(s, p)
+        n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0)))
+        return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
+
+    def rare(x: Array, a: Axes, b: bool, c: Combine, ok: Array) -> tuple[Array, Array, Array]:
         native = _native(x, b, rare=True)
         m = _pmax(_max_abs(x, a, acc_dtype(x.dtype), native), c)
 
-        def zeros() -> Norm:
-            return Norm(jnp.where(ok, f.frac, 0), jnp.where(ok, f.exp, 0))
+        def zeros() -> tuple[Array, Array, Array]:
+            return m, jnp.full_like(m, -jnp.inf), jnp.zeros_like(m)
 
-        def parts() -> Norm:
-            e, t = _scaled_parts(x, p, a, native, m, c)
-            n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0)))
-            return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
+        def parts() -> tuple[Array, Array, Array]:
+            return (m, *_scaled_parts(x, p, a, native, m, c))
 
         return lax.cond(jnp.all(ok | (m == 0)), zeros, parts)
 
     return lax.cond(all_ok, fast, scaled)
+
+
+def _stacked(fn: Callable[..., Any], *lists: Sequence[Array]) -> list[Any]:
+    """``fn`` applied once to the concatenation of each list's arrays (raveled), the
+    results split back to each array's shape: the scalar maths of a norm (roots,
+    exponents, clipping factors) is one set of kernels however many leaves there are,
+    which keeps compile time flat. Arrays are stacked per dtype and per set of varying
+    mesh axes (inside ``shard_map``, a concatenation varies across all of its parts'), and
+    only where they are whole on each device."""
+    first = lists[0]
+    out: list[Any] = [None] * len(first)
+    groups: dict[tuple[np.dtype, frozenset[str], int], list[int]] = {}
+    for i, v in enumerate(first):
+        # A sharded value (per-slice norms of a sharded leaf) stays alone: concatenating
+        # it would make XLA all-gather it.
+        alone = -1 if v.size == 1 or _one_device(v) else i
+        groups.setdefault((np.dtype(v.dtype), _varying(v), alone), []).append(i)
+    for members in groups.values():
+        flat = [
+            jnp.concatenate([jnp.ravel(arrays[i]) for i in members])
+            if len(members) > 1
+            else jnp.ravel(arrays[members[0]])
+            for arrays in lists
+        ]
+        leaves, tree = jax.tree.flatten(fn(*flat))
+        at = 0
+        for i in members:
+            shape = first[i].shape
+            size = math.prod(shape)
+            out[i] = tree.unflatten([v[at : at + size].reshape(shape) for v in leaves])
+            at += size
+    return out
 
 
 _unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(1, 2, 3, 4))
@@ -892,7 +948,7 @@ def _global_norm_impl(
     combines: tuple[Combine, ...],
     lead: int,
 ) -> Norm:
-    if lead:
+    if lead or _has_unmapped(combines):
         return _global_norm_body(units, p, bucketed, combines, lead)
     return _batchable_global_norm(p, bucketed, combines)(units)
 
@@ -1095,8 +1151,14 @@ def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:
 # Per-example norms (clip_per_example): one norm per example over many batched leaves.
 
 
-@functools.partial(jax.jit, static_argnames=("p",))
-def per_example_norm_parts(leaves: Sequence[Array], p: float) -> Norm:
+@functools.partial(jax.jit, static_argnames=("p", "axis_name", "paths"))
+def per_example_norm_parts(
+    leaves: Sequence[Array],
+    p: float,
+    *,
+    axis_name: AxisName = None,
+    paths: tuple[str, ...] | None = None,
+) -> Norm:
     """Per example ``b``, the p-norm of all ``leaves[i][b]`` together (axis 0 is the batch).
 
     The per-example counterpart of :func:`global_norm_parts`: per leaf, a power sum over
@@ -1107,10 +1169,16 @@ def per_example_norm_parts(leaves: Sequence[Array], p: float) -> Norm:
     Args:
       leaves: floating or complex arrays, each of shape ``(batch, ...)``, one batch size.
       p: the norm type (> 0, or inf).
+      axis_name: inside ``shard_map``, the mesh axes that split the leaves' non-batch
+        dimensions (``()`` when only the batch is split): see :func:`combine_axes`, the
+        batch axis being the kept one.
+      paths: the leaves' paths, for error messages.
 
     Returns:
       A :class:`Norm` of shape ``(batch,)`` in the widest accumulation dtype of the leaves.
     """
+    names = paths or ("",) * len(leaves)
+    combines = tuple(combine_axes(x, axis_name, False, n) for x, n in zip(leaves, names))
     # One reduced axis per example (a free reshape of a row-major leaf): XLA:CPU reduces
     # (B, n) 1.6x faster than (B, n1, n2) over two axes. Not for sharded leaves, whose
     # merged axes XLA could gather.
@@ -1119,4 +1187,4 @@ def per_example_norm_parts(leaves: Sequence[Array], p: float) -> Norm:
         for x in (jnp.asarray(x) for x in leaves)
     ]
     units = tuple(_reduction_view(flat))
-    return _global_norm(units, p, (False,) * len(units), ((),) * len(units), 1)
+    return _global_norm(units, p, (False,) * len(units), combines, 1)

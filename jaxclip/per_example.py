@@ -22,6 +22,7 @@ from jax import lax
 
 from jaxclip import _checks, _norms, _tree
 from jaxclip._checks import NormType
+from jaxclip._norms import AxisName
 from jaxclip.clipping import _group_labels
 
 Array = jax.Array
@@ -105,6 +106,11 @@ def _contract(w: Array, x: Array) -> Array:
     """
     acc = _norms.acc_dtype(x.dtype)
     high = lax.Precision.HIGHEST
+    if not _norms._one_device(x):
+        # A sharded batch axis (Explicit mesh axes): a contraction over it needs an output
+        # sharding; a weighted sum over it (fused, no copy) is reduced across devices.
+        kept = (x.shape[0],) + (1,) * (x.ndim - 1)
+        return jnp.sum(w.astype(acc).reshape(kept) * x.astype(acc), axis=0)
     if jnp.iscomplexobj(x):
         return lax.dot_general(w.astype(x.dtype), x, (((0,), (0,)), ((), ())), precision=high)
     if x.dtype == jnp.bfloat16:
@@ -131,6 +137,7 @@ def _per_example(
     noise_std: Any,
     key: Array | None,
     fn: str,
+    axis_name: AxisName = None,
 ) -> tuple[PyTree, dict[Hashable, Array], dict[Hashable, Array], int | None]:
     """The work of both public functions: ``(tree, norms, clipped_fractions, batch)``, with
     per-label norms and fractions (one label, None, without ``group``). Noise of standard
@@ -155,7 +162,17 @@ def _per_example(
     members = tuple(tuple(i for i, lab in enumerate(per_leaf) if lab == label) for label in labels)
     rest_xs = [jnp.asarray(sel.leaves[i]) for i in rest]
     outs, rest_outs, norms, fractions = _arrays(
-        xs, rest_xs, clip_norm, noise_std, key, p=p, members=members, reduce=reduce, batch=batch
+        xs,
+        rest_xs,
+        clip_norm,
+        noise_std,
+        key,
+        p=p,
+        members=members,
+        reduce=reduce,
+        batch=batch,
+        axis_name=axis_name,
+        paths=tuple(sel.chosen_paths),
     )
     leaves = list(sel.leaves)
     for i, y in zip([*sel.indices, *rest], [*outs, *rest_outs]):
@@ -168,7 +185,9 @@ def _per_example(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("p", "members", "reduce", "batch"))
+@functools.partial(
+    jax.jit, static_argnames=("p", "members", "reduce", "batch", "axis_name", "paths")
+)
 def _arrays(
     xs: list[Array],
     rest: list[Array],
@@ -180,6 +199,8 @@ def _arrays(
     members: tuple[tuple[int, ...], ...],
     reduce: Reduce,
     batch: int | None,
+    axis_name: AxisName,
+    paths: tuple[str, ...],
 ) -> tuple[list[Array], list[Array], list[Array], list[Array]]:
     """The array work, one compiled call (so eager use is one dispatch): per group of
     ``members`` (indices into ``xs``), the per-example norms, factors and clipped fraction;
@@ -189,7 +210,12 @@ def _arrays(
     scales: list[Any] = [None] * len(xs)
     for group in members:
         if group:
-            n = _norms.per_example_norm_parts([xs[i] for i in group], p)
+            n = _norms.per_example_norm_parts(
+                [xs[i] for i in group],
+                p,
+                axis_name=axis_name,
+                paths=tuple(paths[i] for i in group),
+            )
         else:  # nothing selected: every example has norm 0
             n = _norms.as_norm(jnp.zeros((batch or 0,), jnp.float32))
         scale = _norms.clip_scale(n, clip_norm)
@@ -243,6 +269,7 @@ def clip_tree_per_example(
     need_clip: _tree.NeedClip = None,
     group: Group = None,
     reduce: Reduce = "sum",
+    axis_name: AxisName = None,
 ) -> tuple[PyTree, Array | dict[Hashable, Array]]:
     """Clips each example's gradient to norm ``clip_norm``, then sums (or averages) them.
 
@@ -272,6 +299,11 @@ def clip_tree_per_example(
         clips each layer on its own (``optax.per_example_layer_norm_clip`` with
         ``clip_norm = its_clip / sqrt(number of leaves)``).
       reduce: ``"sum"``, ``"mean"``, or None to return the clipped examples.
+      axis_name: inside ``shard_map``, for leaves split across devices: the mesh axes that
+        split their non-batch dimensions, ``()`` when only the batch is split (data
+        parallel: each device's examples are whole; sum the results over the data axis
+        yourself, as any data-parallel gradient). A split leaf without it is a
+        ValueError naming the leaf.
 
     Returns:
       ``(tree, norms)``: the reduced (or per-example clipped) tree, and the pre-clip
@@ -293,7 +325,9 @@ def clip_tree_per_example(
     """
     fn = "clip_tree_per_example"
     p = _check_common(clip_norm, norm_type, reduce, group, fn)
-    tree, norms, _, _ = _per_example(grads, clip_norm, p, need_clip, group, reduce, None, None, fn)
+    tree, norms, _, _ = _per_example(
+        grads, clip_norm, p, need_clip, group, reduce, None, None, fn, axis_name
+    )
     return tree, (norms[None] if group is None else norms)
 
 
@@ -307,6 +341,7 @@ def clip_per_example(
     need_clip: _tree.NeedClip = None,
     group: Group = None,
     batch_size: int | None = None,
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
     """DP-SGD's aggregation: clips each example's gradient, sums them, adds noise, averages.
 
@@ -341,6 +376,7 @@ def clip_per_example(
       need_clip: which leaves are clipped (see :func:`clip_by_value`).
       group: per-label clipping (see :func:`clip_tree_per_example`).
       batch_size: the batch size, to keep every example's norm in the state.
+      axis_name: inside ``shard_map`` (see :func:`clip_tree_per_example`).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`ClipPerExampleState`.
@@ -400,7 +436,7 @@ def clip_per_example(
         key, sub = jax.random.split(state.key) if noisy else (state.key, None)
         std = noise_multiplier * jnp.asarray(clip_norm, jnp.float32)
         tree, norms, fractions, batch = _per_example(
-            updates, clip_norm, p, need_clip, group, reduce, std, sub, fn
+            updates, clip_norm, p, need_clip, group, reduce, std, sub, fn, axis_name
         )
         if size is not None and batch != size:
             raise ValueError(

@@ -259,3 +259,68 @@ def test_small_meshes_with_sharded_and_replicated_small_leaves(n, kind):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-6)
     np.testing.assert_allclose(got[1], ref.norm(list(host.values()), 2.0), rtol=2e-6)
     assert got[0]["w"].sharding.is_equivalent_to(placed["w"].sharding, 2)
+
+
+def test_named_vmap_with_axis_name_combines_over_the_vmapped_axis():
+    x = np.arange(1, 13, dtype=np.float32).reshape(4, 3)
+    full = ref.norm([x], 2.0)
+    got = jax.vmap(lambda r: jaxclip.global_norm({"a": r}, axis_name="b"), axis_name="b")(x)
+    np.testing.assert_allclose(got, np.full(4, full), rtol=2e-6)
+    _, n = jax.vmap(
+        lambda r: jaxclip.clip_tree_by_norm({"a": r}, 1.0, axis_name="b"), axis_name="b"
+    )(x)
+    np.testing.assert_allclose(n["a"], np.full(4, full), rtol=2e-6)
+
+
+def test_tensor_parallel_layer_agc_and_per_example_inside_shard_map():
+    """A column-parallel layer: kernel (in, out) and bias split over "model". AGC's kernel
+    units (columns) are whole on each device (axis_name=()), its bias is one unit whose
+    norm the type says to combine; per-example norms sum the split features."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(4)
+    params = {"kernel": rng.normal(size=(6, 8)), "bias": rng.normal(size=(8,))}
+    params = jax.tree.map(lambda v: v.astype(np.float32), params)
+    grads = jax.tree.map(lambda v: (3.0 * v[::-1]).astype(np.float32), params)
+    specs = {"kernel": P(None, "model"), "bias": P("model")}
+    put = lambda t, s=specs: {k: jax.device_put(v, NamedSharding(mesh, s[k])) for k, v in t.items()}  # noqa: E731
+    agc = jaxclip.adaptive_clip(0.01, axis_name=())
+    f = jax.jit(
+        jax.shard_map(
+            lambda g, p: agc.update(g, agc.init(p), p)[0],
+            mesh=mesh,
+            in_specs=(specs, specs),
+            out_specs=specs,
+        )
+    )
+    want = jaxclip.adaptive_clip(0.01).update(grads, optax.EmptyState(), params)[0]
+    for k, v in f(put(grads), put(params)).items():
+        np.testing.assert_allclose(v, want[k], rtol=2e-6)
+
+    per_ex = {"w": rng.normal(size=(4, 8)).astype(np.float32), "b": rng.normal(size=(4, 3))}
+    per_ex["b"] = per_ex["b"].astype(np.float32)
+    pspecs = {"w": P(None, "model"), "b": P()}
+    want_n = np.sqrt(sum(np.sum(v.astype(np.float64) ** 2, axis=1) for v in per_ex.values()))
+
+    def body(g, axis_name=("model",)):
+        return jaxclip.clip_tree_per_example(g, 1.0, reduce=None, axis_name=axis_name)[1]
+
+    g = put(per_ex, pspecs)
+    n = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(pspecs,), out_specs=P()))(g)
+    np.testing.assert_allclose(n, want_n, rtol=2e-6)
+    with pytest.raises(ValueError, match=r"leaf 'w' varies across mesh axes \('model',\)"):
+        jax.jit(
+            jax.shard_map(lambda g: body(g, None), mesh=mesh, in_specs=(pspecs,), out_specs=P())
+        )(g)
+
+
+def test_per_example_with_the_batch_split_on_an_explicit_mesh():
+    mesh = jax.make_mesh(
+        (1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1]
+    )
+    g = {"w": np.arange(24, dtype=np.float32).reshape(8, 3) / 10}
+    want, want_n = jaxclip.clip_tree_per_example(g, 1.0)
+    with jax.set_mesh(mesh):
+        placed = {"w": jax.device_put(g["w"], NamedSharding(mesh, P("data")))}
+        got, n = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0))(placed)
+    np.testing.assert_allclose(got["w"], want["w"], rtol=2e-6)
+    np.testing.assert_allclose(n, want_n, rtol=2e-6)
