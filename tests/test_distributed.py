@@ -108,7 +108,7 @@ def test_clip_by_norm_axes_over_a_sharded_axis_is_per_slice():
         np.testing.assert_allclose(out[k], ref.clip_each(host[k], 1.0, axes=(0,)), rtol=2e-6)
 
 
-@pytest.mark.parametrize("p", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("p", [2.0, pytest.param(1.0, marks=pytest.mark.slow), math.inf])
 @pytest.mark.parametrize("axis_name", ["model", ("data", "model")], ids=["model", "data+model"])
 def test_shard_map_fsdp_norm_equals_full_norm(p, axis_name):
     host = {k: v for k, v in _grads().items() if k in ("both", "cols")}

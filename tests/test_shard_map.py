@@ -116,7 +116,15 @@ SINGLE = {
 
 
 # The default run keeps one mode of each kind; the rest run in the slow CI step.
-SLOW_MODES = {"global_p0.5", "norm_inf", "grouped", "quantile_clip", "auto_clip", "adaptive_clip"}
+SLOW_MODES = {
+    "global_p0.5",
+    "norm_inf",
+    "grouped",
+    "quantile_clip",
+    "auto_clip",
+    "adaptive_clip",
+    "zclip",
+}
 
 
 @pytest.mark.parametrize(
