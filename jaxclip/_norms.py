@@ -671,6 +671,14 @@ def _unit_norms_impl(
     return _batchable_unit_norms(p, axes, bucketed, combines)(units)
 
 
+def _broadcast_unbatched(
+    size: int, batched: Sequence[bool], units: tuple[Array, ...]
+) -> tuple[Array, ...]:
+    """A custom batching rule's operands, each with the batch axis leading (an unbatched
+    unit is broadcast: rare, e.g. ``in_axes=None`` for some leaves)."""
+    return tuple(u if b else jnp.broadcast_to(u, (size, *u.shape)) for u, b in zip(units, batched))
+
+
 @functools.cache
 def _batchable_unit_norms(
     p: float, axes: tuple[Axes, ...], bucketed: tuple[bool, ...], combines: tuple[Combine, ...]
@@ -684,9 +692,7 @@ def _batchable_unit_norms(
 
     @norms.def_vmap
     def rule(size: int, in_batched: Any, units: tuple[Array, ...]) -> tuple[list[Norm], Any]:
-        units = tuple(
-            u if b else jnp.broadcast_to(u, (size, *u.shape)) for u, b in zip(units, in_batched[0])
-        )
+        units = _broadcast_unbatched(size, in_batched[0], units)
         shifted = tuple(
             tuple(range(1, u.ndim)) if a is None else tuple(d + 1 for d in a)
             for u, a in zip(units, axes)
@@ -967,9 +973,7 @@ def _batchable_global_norm(
 
     @norm.def_vmap
     def rule(size: int, in_batched: Any, units: tuple[Array, ...]) -> tuple[Norm, Any]:
-        units = tuple(
-            u if b else jnp.broadcast_to(u, (size, *u.shape)) for u, b in zip(units, in_batched[0])
-        )
+        units = _broadcast_unbatched(size, in_batched[0], units)
         return _global_norm_body(units, p, bucketed, combines, 1), Norm._make((True, True))
 
     return norm
