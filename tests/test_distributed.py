@@ -70,14 +70,19 @@ def _collectives_are_small(hlo: str, max_elems: int) -> None:
                 assert math.prod(int(d) for d in dims.split(",") if d) <= max_elems, line
 
 
-@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
-@pytest.mark.parametrize(
-    "mode",
-    [
-        pytest.param(m, marks=[pytest.mark.slow] if m in ("global_p1", "value") else [])
-        for m in MODES
-    ],
-)
+def _jit_cases() -> list:
+    """Every mode on Auto and Explicit axes; the default run keeps Auto for all but
+    global_p1 and value, and Explicit for global_p2 (the rest run in the slow step)."""
+    cases = []
+    for kind, kind_id in ((AxisType.Auto, "auto"), (AxisType.Explicit, "explicit")):
+        for m in MODES:
+            slow = m in ("global_p1", "value") or (kind_id == "explicit" and m != "global_p2")
+            marks = [pytest.mark.slow] if slow else []
+            cases.append(pytest.param(m, kind, marks=marks, id=f"{m}-{kind_id}"))
+    return cases
+
+
+@pytest.mark.parametrize(("mode", "kind"), _jit_cases())
 def test_jit_over_mesh_matches_single_device(mode, kind):
     host = _grads()
     mesh = _mesh(kind)
