@@ -140,7 +140,14 @@ class Norm(NamedTuple):
     @property
     def value(self) -> Array:
         """The norm as a number (inf where it exceeds the dtype's range)."""
-        return ldexp(self.frac, self.exp)
+        # ldexp, its last factor applied by a division: a cheap chain would be copied into
+        # every kernel that reads the value (see clip_scale).
+        info = np.finfo(self.frac.dtype)
+        e = jnp.asarray(self.exp, self.frac.dtype)
+        e1 = jnp.clip(e, info.minexp, info.maxexp - 1)
+        e2 = jnp.clip(e - e1, info.minexp, info.maxexp - 1)
+        rest = _pow2(e1 + e2 - e, self.frac.dtype)
+        return self.frac * _pow2(e1, self.frac.dtype) * _pow2(e2, self.frac.dtype) / rest
 
 
 def as_norm(value: Array) -> Norm:
@@ -723,9 +730,12 @@ def _unit_norms_body(
     ]
     oks = [_exact_range(s, acc) for s, acc in zip(sums, accs)]
     all_ok = jnp.all(jnp.stack([jnp.all(ok) for ok in oks]))
+    # Both branches return the stacked vectors, split after the cond: split inside, each
+    # unit's slice would be a kernel recomputing the whole vector's maths.
+    groups = _stack_groups(sums)
 
     def fast() -> list[Norm]:
-        return _stacked(lambda s: _root_norm(s, p), sums)
+        return [_root_norm(s, p) for (s,) in _stack(groups, sums)]
 
     def scaled() -> list[Norm]:
         # Per unit: only a unit with a slice out of range reads its data again, and only
@@ -739,7 +749,7 @@ def _unit_norms_body(
             for x, a, b, c, s, ok in zip(units, axes, bucketed, combines, sums, oks)
         ]
         ms, es, ts = (list(v) for v in zip(*parts))
-        return _stacked(finish, sums, oks, ms, es, ts)
+        return [finish(*flat) for flat in _stack(groups, sums, oks, ms, es, ts)]
 
     def finish(s: Array, ok: Array, m: Array, e: Array, t: Array) -> Norm:
         f = _root_norm(s, p)
@@ -758,39 +768,59 @@ def _unit_norms_body(
 
         return lax.cond(jnp.all(ok | (m == 0)), zeros, parts)
 
-    return lax.cond(all_ok, fast, scaled)
+    return _unstack(lax.cond(all_ok, fast, scaled), groups, [v.shape for v in sums])
 
 
-def _stacked(fn: Callable[..., Any], *lists: Sequence[Array]) -> list[Any]:
-    """``fn`` applied once to the concatenation of each list's arrays (raveled), the
-    results split back to each array's shape: the scalar maths of a norm (roots,
-    exponents, clipping factors) is one set of kernels however many leaves there are,
-    which keeps compile time flat. Arrays are stacked per dtype and per set of varying
-    mesh axes (inside ``shard_map``, a concatenation varies across all of its parts'), and
-    only where they are whole on each device."""
-    first = lists[0]
-    out: list[Any] = [None] * len(first)
+Groups = list[list[int]]
+
+
+def _stack_groups(first: Sequence[Array]) -> Groups:
+    """Which arrays :func:`_stacked` concatenates together: per dtype and per set of
+    varying mesh axes (inside ``shard_map``, a concatenation varies across all of its
+    parts'), and only where they are whole on each device."""
     groups: dict[tuple[np.dtype, frozenset[str], int], list[int]] = {}
     for i, v in enumerate(first):
         # A sharded value (per-slice norms of a sharded leaf) stays alone: concatenating
         # it would make XLA all-gather it.
         alone = -1 if v.size == 1 or _one_device(v) else i
         groups.setdefault((np.dtype(v.dtype), _varying(v), alone), []).append(i)
-    for members in groups.values():
-        flat = [
+    return list(groups.values())
+
+
+def _stack(groups: Groups, *lists: Sequence[Array]) -> list[list[Array]]:
+    """Per group, each list's arrays raveled and concatenated."""
+    return [
+        [
             jnp.concatenate([jnp.ravel(arrays[i]) for i in members])
             if len(members) > 1
             else jnp.ravel(arrays[members[0]])
             for arrays in lists
         ]
-        leaves, tree = jax.tree.flatten(fn(*flat))
+        for members in groups
+    ]
+
+
+def _unstack(results: Sequence[Any], groups: Groups, shapes: Sequence[Shape]) -> list[Any]:
+    """Per array, its part of its group's result (a pytree of stacked vectors)."""
+    out: list[Any] = [None] * len(shapes)
+    for members, result in zip(groups, results):
+        leaves, tree = jax.tree.flatten(result)
         at = 0
         for i in members:
-            shape = first[i].shape
-            size = math.prod(shape)
-            out[i] = tree.unflatten([v[at : at + size].reshape(shape) for v in leaves])
+            size = math.prod(shapes[i])
+            out[i] = tree.unflatten([v[at : at + size].reshape(shapes[i]) for v in leaves])
             at += size
     return out
+
+
+def _stacked(fn: Callable[..., Any], *lists: Sequence[Array]) -> list[Any]:
+    """``fn`` applied once to the concatenation of each list's arrays (raveled), the
+    results split back to each array's shape: the scalar maths of a norm (roots,
+    exponents, clipping factors) is one set of kernels however many leaves there are,
+    which keeps compile time flat (see :func:`_stack_groups`)."""
+    groups = _stack_groups(lists[0])
+    results = [fn(*flat) for flat in _stack(groups, *lists)]
+    return _unstack(results, groups, [v.shape for v in lists[0]])
 
 
 _unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(1, 2, 3, 4))
@@ -1087,12 +1117,17 @@ def clip_scale(norm: Norm | Array, clip_norm: Any) -> Scale:
     cf = ldexp(c, -ce)  # in [0.5, 1), differentiable in c
     k = frexp(lax.stop_gradient(norm.frac))[1]
     frac = ldexp(norm.frac, -k)  # in [0.5, 1)
-    factor = cf / jnp.where(keep, 1, frac)  # in (0.5, 2)
     shift = ce - norm.exp - k
     info = np.finfo(acc)
-    s0 = jnp.clip(shift, info.minexp + 1, info.maxexp - 2)  # factor * 2**s0 is normal
-    # c / n >= tiny / max, so the rest is >= minexp - 2 in practice: one more factor.
-    return Scale(keep, factor * _pow2(s0, acc), _pow2(shift - s0, acc))
+    s0 = jnp.clip(shift, info.minexp + 1, info.maxexp - 2)  # (c / n) * 2**s0 is normal
+    # Both factors come out of a division: XLA copies cheap scalar ops into every kernel
+    # that reads their result (a thousand leaves would each redo this maths), but not a
+    # division, which it computes once.
+    f0 = (cf * _pow2(s0, acc)) / jnp.where(keep, 1, frac)
+    # c / n >= tiny / max, so the rest is >= minexp - 2 in practice: one more factor;
+    # f1 == 0 marks "keep".
+    f1 = 1 / jnp.where(keep, jnp.inf, _pow2(jnp.minimum(s0 - shift, -info.minexp), acc))
+    return Scale(f1 == 0, f0, f1)
 
 
 def apply_scale(x: Array, scale: Scale) -> Array:
@@ -1108,8 +1143,7 @@ def apply_scale(x: Array, scale: Scale) -> Array:
 def rescale(xs: Sequence[Array], norm: Norm | Array, clip_norm: Any) -> list[Array]:
     """Every array of ``xs`` (of joint norm ``norm``) scaled so that the norm is at most
     ``clip_norm``; one compiled call, so eager use costs one dispatch."""
-    # Behind a barrier, else XLA fuses the scalar factor maths into every leaf's kernel.
-    scale = lax.optimization_barrier(clip_scale(norm, clip_norm))
+    scale = clip_scale(norm, clip_norm)
     return [apply_scale(x, scale) for x in xs]
 
 
