@@ -5,10 +5,13 @@ the common case: the plain power sum, accumulated in float32 (float64 for float6
 leaves) with the upcast fused into the reduction, so no widened copy of the gradients
 exists. Only when that sum is outside the range where it is exact -- it overflowed, is
 non-finite, or is so small that elements may have underflowed -- does a ``lax.cond``
-take the scaled path: per array (or slice), scale by the power of two of its largest
-magnitude (exact, never a subnormal factor), sum, and combine the parts by their
-exponents. A one-pass three-accumulator norm (Blue 1978, LAPACK 3.10 ``nrm2``) was
-measured and rejected: XLA:CPU runs such a variadic reduce 8x slower than a plain sum.
+take the rare path. For ``p=2`` that is one more pass with Blue's three accumulators
+(Blue 1978; LAPACK 3.10 ``nrm2``): magnitudes above 2**48 are squared scaled down by
+2**-80, below 2**-63 scaled up by 2**98, the rest as they are, so every square is normal
+and no sum overflows; the sums are combined in the units of the largest. As the only
+path it would not do: XLA:CPU runs such a variadic reduce ~2-8x slower than its library
+sum. Other ``p`` scale per array (or slice) by the power of two of its largest magnitude
+(exact, never a subnormal factor), sum, and combine the parts by their exponents.
 
 Norms are carried as :class:`Norm` ``(frac, exp)``, ``norm = frac * 2**exp``, so that
 the clipping factor ``c / norm`` is exact even where the norm or the factor is outside
@@ -50,7 +53,7 @@ from jax import lax
 Array = jax.Array
 AxisName = None | str | tuple[str, ...]
 Axes = tuple[int, ...] | None
-Elem = Callable[[Array, Any], Array]
+Elem = Callable[[Array, Any], Any]  # an array, or a tuple of them (several sums)
 #: The mapped axes over which a partial norm is combined (see :func:`combine_axes`).
 Combine = tuple[str, ...]
 Shape = tuple[int, ...]
@@ -252,6 +255,9 @@ def _fused_reduce(x: Array, elem: Elem, s: Any, dims: tuple[int, ...], op: str) 
     the result is NaN anyway), so that it is not simplified back into a library reduce.
     """
     v = elem(x, s)
+    if isinstance(v, tuple):  # several sums in one pass (already variadic)
+        zeros = tuple(jnp.zeros((), t.dtype) for t in v)
+        return lax.reduce(v, zeros, lambda a, b: tuple(map(jnp.add, a, b)), dims)
     zero = jnp.zeros((), v.dtype)
     combine = jnp.add if op == "sum" else jnp.maximum
     r, low = lax.reduce(
@@ -285,7 +291,7 @@ def _reduce(
     n = len(dims)
     length = math.prod(x.shape[d] for d in dims)
     if op == "max" or length <= block:
-        return _fused_reduce(x, elem, s, dims, op).reshape(kept)
+        return _shaped(_fused_reduce(x, elem, s, dims, op), kept)
     if dims == tuple(range(x.ndim - n, x.ndim)):  # trailing: chunks along the last axis
         lead = x.shape[: x.ndim - n]
         flat, at = x.reshape((*lead, length)), len(lead)
@@ -295,16 +301,24 @@ def _reduce(
         flat, at = x.reshape((length, *rest)), 0
         s = None if s is None else tuple(f.reshape((1, *rest)) for f in s)
     else:  # reduced axes in the middle: one sequential reduce (rare)
-        return _fused_reduce(x, elem, s, dims, op).reshape(kept)
+        return _shaped(_fused_reduce(x, elem, s, dims, op), kept)
     chunks = length // block
     shape = (*flat.shape[:at], chunks, block, *flat.shape[at + 1 :])
     main = lax.slice_in_dim(flat, 0, chunks * block, axis=at).reshape(shape)
     s1 = None if s is None else tuple(jnp.expand_dims(f, at + 1) for f in s)
-    r = jnp.sum(_fused_reduce(main, elem, s1, (at + 1,), op), axis=at)
+    r = _fused_reduce(main, elem, s1, (at + 1,), op)
+    if isinstance(r, tuple):  # one library reduction for all the sums' chunk results
+        r = tuple(jnp.sum(jnp.stack(r), axis=at + 1))
+    else:
+        r = jnp.sum(r, axis=at)
     if chunks * block < length:
         tail = lax.slice_in_dim(flat, chunks * block, length, axis=at)
-        r = r + _fused_reduce(tail, elem, s, (at,), op)
-    return r.reshape(kept)
+        r = jax.tree.map(jnp.add, r, _fused_reduce(tail, elem, s, (at,), op))
+    return _shaped(r, kept)
+
+
+def _shaped(r: Any, shape: Shape) -> Any:
+    return jax.tree.map(lambda v: v.reshape(shape), r)
 
 
 def _max_abs(x: Array, axes: Axes, acc: np.dtype, native: bool) -> Array:
@@ -354,6 +368,80 @@ def _scaled_elem(p: float, acc: np.dtype) -> Elem:
         return _power(_abs(v, acc) * f[0] * f[1], p)
 
     return elem
+
+
+class Blue(NamedTuple):
+    """Constants of the one-pass overflow-safe 2-norm (Blue 1978; Anderson 2017, as in
+    LAPACK 3.10's ``nrm2``) for an accumulation dtype, as exponents of two: magnitudes in
+    ``[2**small, 2**big]`` are squared as they are, larger ones times ``2**-down``, smaller
+    ones times ``2**up``. Every square is normal and no sum of up to 2**31 of them
+    overflows, so each accumulator is exact to rounding."""
+
+    small: int
+    big: int
+    down: int
+    up: int
+
+
+@functools.cache
+def _blue(acc: np.dtype) -> Blue:
+    info = np.finfo(acc)
+    big = (info.maxexp - 32) // 2  # 2**31 squares of 2**big stay finite
+    small = -((-info.minexp) // 2)  # squares of 2**small are normal
+    down = info.maxexp - big  # 2**maxexp scaled to 2**big
+    lowest = info.minexp - info.nmant  # the smallest subnormal
+    up = ((-lowest + small) + (big - small)) // 2  # smallest squares normal, no overflow
+    return Blue(small, big, down, up)
+
+
+def _blue_elem(acc: np.dtype) -> Elem:
+    """The three accumulators' terms of ``v`` (a NaN lands in the medium one)."""
+    b = _blue(acc)
+    big, small = 2.0**b.big, 2.0**b.small
+    down, up = 2.0**-b.down, 2.0**b.up
+
+    def elem(v: Array, _: Any) -> tuple[Array, Array, Array]:
+        a = _abs(v, acc)
+        hi, lo = a > big, a < small
+        # The scale is selected per element, never a constant: XLA would rewrite
+        # (a * c)**2 as a**2 * c**2, which overflows or underflows.
+        y = a * jnp.where(hi, down, jnp.where(lo, up, 1.0)).astype(acc)
+        sq, zero = y * y, jnp.zeros((), acc)
+        return jnp.where(hi, sq, zero), jnp.where(hi | lo, zero, sq), jnp.where(lo, sq, zero)
+
+    return elem
+
+
+def _blue_sums(x: Array, axes: Axes, native: bool) -> tuple[Array, Array, Array]:
+    """The big, medium and small accumulators of ``x`` over ``axes`` (keepdims): one
+    variadic reduce, or (a sharded ``x``, whose variadic reduce XLA would gather) three
+    library reductions."""
+    elem = _blue_elem(acc_dtype(x.dtype))
+    if native:
+        return _reduce(x, elem, axes, "sum", True)  # type: ignore[return-value]
+    dims = tuple(range(x.ndim)) if axes is None else axes
+    return tuple(jnp.sum(t, axis=dims, keepdims=True) for t in elem(x, None))  # type: ignore[return-value]
+
+
+def _blue_norm(hi: Array, mid: Array, lo: Array) -> Norm:
+    """The 2-norm from the three accumulators (combined over units and devices)."""
+    b = _blue(np.dtype(mid.dtype))
+    down, up = 2.0**-b.down, 2.0**b.up
+    # Big values present: the medium sum in their units (the small one is negligible).
+    # Else medium: if tiny (below 2**-70), in the small values' units, else the small
+    # sum in the medium units (< 2**-95 in all: its rounding is far below an ulp).
+    # Each factor is applied twice and chosen at run time: XLA folds ``(v * c) * c`` of
+    # a constant ``c`` into ``v * c**2``, which overflows.
+    tiny_mid = mid < 2.0 ** (np.finfo(mid.dtype).minexp + 56)
+    f_mid = jnp.where(hi > 0, down, jnp.where(tiny_mid, up, 1.0)).astype(mid.dtype)
+    f_lo = jnp.where(hi > 0, 0.0, jnp.where(tiny_mid, 1.0, 1 / up)).astype(mid.dtype)
+    s = hi + (mid * f_mid) * f_mid + (lo * f_lo) * f_lo
+    e = jnp.where(hi > 0, b.down, jnp.where(tiny_mid, -b.up, 0)).astype(mid.dtype)
+    n = _root_norm(s, 2.0, e)
+    good = jnp.isfinite(s) & (s > 0)
+    # NaN anywhere is NaN (it sits in the medium sum), inf is inf, all zeros 0.
+    frac = jnp.where(good, n.frac, jnp.where(s > 0, s, jnp.where(jnp.isnan(s), s, 0)))
+    return Norm(frac, jnp.where(good, n.exp, 0))
 
 
 def _from_root(r: Array, e: Any) -> Norm:
@@ -738,8 +826,8 @@ def _unit_norms_body(
         return [_root_norm(s, p) for (s,) in _stack(groups, sums)]
 
     def scaled() -> list[Norm]:
-        # Per unit: only a unit with a slice out of range reads its data again, and only
-        # to find its maxima when those slices are all zeros (a frozen leaf, unused rows).
+        # Per unit: only a unit with a slice out of range reads its data again (for p=2
+        # one pass; else its maxima, then its scaled sum unless those slices are zeros).
         parts = [
             lax.cond(
                 jnp.all(ok),
@@ -753,11 +841,16 @@ def _unit_norms_body(
 
     def finish(s: Array, ok: Array, m: Array, e: Array, t: Array) -> Norm:
         f = _root_norm(s, p)
-        n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0)))
+        if p == 2.0:  # (m, e, t) are the three accumulators
+            n = _blue_norm(m, e, t)
+        else:
+            n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0)))
         return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
 
     def rare(x: Array, a: Axes, b: bool, c: Combine, ok: Array) -> tuple[Array, Array, Array]:
         native = _native(x, b, rare=True)
+        if p == 2.0:  # one pass, no maxima: Blue's three accumulators
+            return tuple(_psum(t, c) for t in _blue_sums(x, a, native))  # type: ignore[return-value]
         m = _pmax(_max_abs(x, a, acc_dtype(x.dtype), native), c)
 
         def zeros() -> tuple[Array, Array, Array]:
@@ -1035,9 +1128,14 @@ def _global_norm_body(
     narrow = min((acc_dtype(u.dtype) for u in units), key=lambda d: d.itemsize)
 
     def scaled() -> Norm:
+        rare = [_native(u, b, rare=True) for u, b in zip(units, bucketed)]
+        if p == 2.0 and len({acc_dtype(u.dtype) for u in units}) == 1:
+            # One pass, no maxima: Blue's three accumulators, each summed over the units.
+            parts = [_blue_sums(u, a, nat) for u, a, nat in zip(units, axes, rare)]
+            hml = [_sum_over([q[i] for q in parts], combines, acc, shape) for i in range(3)]
+            return keep_fast(_blue_norm(*hml))
         # Native reductions for 16-bit units (see _native); one scale 2**-e for all, from
         # the largest magnitude m = f * 2**e, applied as two normal factors per dtype.
-        rare = [_native(u, b, rare=True) for u, b in zip(units, bucketed)]
         ms = [_max_abs(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, rare)]
         m = _max_over(ms, combines, acc, shape)
         e = frexp(m)[1]
@@ -1054,7 +1152,9 @@ def _global_norm_body(
             ua = acc_dtype(u.dtype)
             f = tuple(keep(v, u) for v in fs[ua])
             ts.append(_reduce(u, _scaled_elem(p, ua), a, "sum", nat, f))
-        n = _special(m, _root_norm(_sum_over(ts, combines, acc, shape), p, e))
+        return keep_fast(_special(m, _root_norm(_sum_over(ts, combines, acc, shape), p, e)))
+
+    def keep_fast(n: Norm) -> Norm:
         if not shape:
             return n
         # Examples in range keep the fast result: each one's norm, to the bit, does not

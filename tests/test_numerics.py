@@ -171,3 +171,51 @@ def test_integer_p_norms_stay_within_a_few_ulps_at_any_magnitude(p):
             x = jnp.asarray(rng.normal(size=50) * 10.0**e, jnp.float32)
             worst = max(worst, abs(float(norm(x)) / ref.norm([x], p) - 1))
     assert worst <= 4 * 2.0**-24, worst / 2.0**-24
+
+
+# Magnitude classes of the rare 2-norm path's three accumulators (float32: squared as
+# they are within [2**-63, 2**48], scaled down above, up below), mixed inside one leaf.
+BLUE_MIXES = {
+    "big+medium": [(2.0**49, 3), (2.0**47, 70_000)],  # the medium sum dominates
+    "big-only-near-max": [(3.0e38, 5)],
+    "medium-tiny+small": [(2.0**-63, 1), (2.0**-64, 70_000)],  # the small sum dominates
+    "small-only": [(1e-30, 1000), (1e-35, 1000)],
+    "all-three": [(1e30, 2), (1.0, 50_000), (1e-25, 10)],
+    "small-subnormal-squares": [(2.0**-75, 300), (2.0**-70, 1)],
+}
+
+
+@functools.cache
+def _blue_fns():
+    return jax.jit(
+        lambda xs: (
+            jaxclip.global_norm(xs),
+            jaxclip.clip_tree_by_norm(xs, 1.0)[1],
+            jaxclip.clip_tree_by_norm([x.reshape(2, -1) for x in xs], 1.0, axes=1)[1],
+        )
+    )
+
+
+@pytest.mark.parametrize("mix", list(BLUE_MIXES))
+def test_three_accumulator_rare_path_is_exact(mix):
+    rng = np.random.default_rng(1)
+    parts = [m * rng.uniform(0.5, 1.0, n) * rng.choice([-1.0, 1.0], n) for m, n in BLUE_MIXES[mix]]
+    flat = np.concatenate(parts).astype(np.float32)
+    flat = np.concatenate([flat, np.zeros(len(flat) % 2, np.float32)])
+    rng.shuffle(flat)
+    leaves = [flat, flat[::-1].copy()]  # one global norm over two leaves, two per-leaf norms
+    g, per_leaf, rows = _blue_fns()([jnp.asarray(x) for x in leaves])
+    want = np.sqrt(sum(np.sum(x.astype(np.float64) ** 2) for x in leaves))
+    _assert_value(g, want)
+    for x, n, r in zip(leaves, per_leaf, rows):
+        x64 = x.astype(np.float64)
+        _assert_value(n, np.linalg.norm(x64))
+        _assert_value(r, np.linalg.norm(x64.reshape(2, -1), axis=1))
+
+
+def _assert_value(got, want) -> None:
+    """A norm's value within 4 float32 ulps of float64 (a float32 sum's rounding), inf
+    where it exceeds float32's range."""
+    want = np.asarray(want, np.float64)
+    expected = np.where(want > np.finfo(np.float32).max, np.inf, want)
+    np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=4.8e-7)
