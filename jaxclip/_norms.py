@@ -826,8 +826,8 @@ def _unit_norms_body(
         return [_root_norm(s, p) for (s,) in _stack(groups, sums)]
 
     def scaled() -> list[Norm]:
-        # Per unit: only a unit with a slice out of range reads its data again (for p=2
-        # one pass; else its maxima, then its scaled sum unless those slices are zeros).
+        # Per unit: only a unit with a slice out of range reads its data again: its maxima,
+        # then (unless those slices are all zeros) Blue's sums for p=2, else a scaled sum.
         parts = [
             lax.cond(
                 jnp.all(ok),
@@ -849,14 +849,18 @@ def _unit_norms_body(
 
     def rare(x: Array, a: Axes, b: bool, c: Combine, ok: Array) -> tuple[Array, Array, Array]:
         native = _native(x, b, rare=True)
-        if p == 2.0:  # one pass, no maxima: Blue's three accumulators
-            return tuple(_psum(t, c) for t in _blue_sums(x, a, native))  # type: ignore[return-value]
+        # The maxima first: all-zero slices (a frozen leaf, unused rows) need no more, and
+        # a max pass is ~2x faster than Blue's on XLA:CPU.
         m = _pmax(_max_abs(x, a, acc_dtype(x.dtype), native), c)
 
         def zeros() -> tuple[Array, Array, Array]:
+            if p == 2.0:  # the three accumulators of zeros (or of in-range slices)
+                return jnp.zeros_like(m), jnp.zeros_like(m), jnp.zeros_like(m)
             return m, jnp.full_like(m, -jnp.inf), jnp.zeros_like(m)
 
         def parts() -> tuple[Array, Array, Array]:
+            if p == 2.0:  # one pass with Blue's three accumulators
+                return tuple(_psum(t, c) for t in _blue_sums(x, a, native))  # type: ignore[return-value]
             return (m, *_scaled_parts(x, p, a, native, m, c))
 
         return lax.cond(jnp.all(ok | (m == 0)), zeros, parts)
