@@ -1106,6 +1106,7 @@ def _adaptive():
     return jax.jit(init), jax.jit(scan)
 
 
+@pytest.mark.slow  # suite margin: runs in the slow step (CI runs both)
 def test_adaptive_mode_norms_over_lax_scan():
     """Five transforms updated side by side inside one lax.scan over steps whose magnitudes
     span the range (step 0 is the first update from init)."""

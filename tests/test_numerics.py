@@ -34,12 +34,22 @@ def _jitted(mode: str, p: float, c: float):
     return jax.jit(fns[mode])
 
 
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+P_QUICK = [2.0, 0.5, math.inf]  # the default, a fractional p, the max; P_ALL runs slow
+
+
+@pytest.mark.parametrize(
+    "jit, ps",
+    [
+        pytest.param(True, P_QUICK, id="jit"),
+        pytest.param(False, [2.0], id="eager"),  # the default norm only (compiles dominate)
+        pytest.param(True, P_ALL, id="jit-every-p", marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("mode", ["global", "norm", "norm_axes"])
 @pytest.mark.parametrize("name, dtype, value, n, c", TABLE, ids=[t[0] for t in TABLE])
-def test_regression_table(name, dtype, value, n, c, mode, jit):
+def test_regression_table(name, dtype, value, n, c, mode, jit, ps):
     g = jnp.full((n,), value, dtype)
-    for p in P_ALL if jit else [2.0]:  # eager: the default norm only (compiles dominate)
+    for p in ps:
         f = _jitted(mode, p, c) if jit else _jitted(mode, p, c).__wrapped__
         out, norm = f(g)
         expected_norm = ref.norm([g], p)

@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import reference as ref
 from hypothesis import given
 from hypothesis import strategies as st
@@ -112,6 +113,7 @@ def test_clipping_twice_equals_once(case):
         )
 
 
+@pytest.mark.slow  # suite margin (test_clipping checks pass-through by default)
 @given(
     st.lists(st.booleans(), min_size=3, max_size=3), st.sampled_from(["value", "norm", "global"])
 )
