@@ -744,7 +744,7 @@ def clip_slices(
         n = Norm(frac, exp)
         return (n.value, *clip_scale(n, clip_norm))
 
-    per_unit = _stacked(factors, [n.frac for n in norms], [n.exp for n in norms])
+    per_unit = stacked(factors, [n.frac for n in norms], [n.exp for n in norms])
     out, values = [], []
     for x, a, (value, *scale) in zip(leaves, axes, _per_leaf(leaves, per_unit, where)):
         out.append(apply_scale(x, Scale(*scale)))
@@ -812,7 +812,7 @@ def _unit_norms_body(
             _pmax(_inf_norm(x, a, acc, nat), c)
             for x, a, acc, nat, c in zip(units, axes, accs, natives, combines)
         ]
-        return _stacked(lambda m: _special(m, _from_root(m, jnp.zeros_like(m))), ms)
+        return stacked(lambda m: _special(m, _from_root(m, jnp.zeros_like(m))), ms)
     sums = [
         _psum(_power_sum(x, p, a, nat), c) for x, a, nat, c in zip(units, axes, natives, combines)
     ]
@@ -872,7 +872,7 @@ Groups = list[list[int]]
 
 
 def _stack_groups(first: Sequence[Array]) -> Groups:
-    """Which arrays :func:`_stacked` concatenates together: per dtype and per set of
+    """Which arrays :func:`stacked` concatenates together: per dtype and per set of
     varying mesh axes (inside ``shard_map``, a concatenation varies across all of its
     parts'), and only where they are whole on each device."""
     groups: dict[tuple[np.dtype, frozenset[str], int], list[int]] = {}
@@ -910,7 +910,7 @@ def _unstack(results: Sequence[Any], groups: Groups, shapes: Sequence[Shape]) ->
     return out
 
 
-def _stacked(fn: Callable[..., Any], *lists: Sequence[Array]) -> list[Any]:
+def stacked(fn: Callable[..., Any], *lists: Sequence[Array]) -> list[Any]:
     """``fn`` applied once to the concatenation of each list's arrays (raveled), the
     results split back to each array's shape: the scalar maths of a norm (roots,
     exponents, clipping factors) is one set of kernels however many leaves there are,

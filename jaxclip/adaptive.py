@@ -181,11 +181,21 @@ def _agc(
     kw = {"axis_name": axis_name, "paths": paths}
     g_norms = _norms.slice_norms(gs, 2.0, axes, **kw)
     p_norms = _norms.slice_norms(ps, 2.0, axes, **kw)
-    limits = [
-        clipping * jnp.maximum(pn.value.astype(gn.frac.dtype), eps)
-        for gn, pn in zip(g_norms, p_norms)
-    ]
-    return _norms.rescale_each(gs, g_norms, limits)
+
+    def scale(gf: Array, ge: Array, pf: Array, pe: Array) -> _norms.Scale:
+        limit = clipping * jnp.maximum(_norms.Norm(pf, pe).value.astype(gf.dtype), eps)
+        return _norms.clip_scale(_norms.Norm(gf, ge), limit)
+
+    # The limits and factors of all leaves as one set of kernels (per-leaf scalar maths
+    # would be traced and compiled once per leaf).
+    scales = _norms.stacked(
+        scale,
+        [n.frac for n in g_norms],
+        [n.exp for n in g_norms],
+        [n.frac.astype(g.frac.dtype) for n, g in zip(p_norms, g_norms)],
+        [n.exp.astype(g.frac.dtype) for n, g in zip(p_norms, g_norms)],
+    )
+    return [_norms.apply_scale(g, sc) for g, sc in zip(gs, scales)]
 
 
 class AutoClipState(NamedTuple):
