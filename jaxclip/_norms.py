@@ -1257,7 +1257,20 @@ def rescale_each(xs: Sequence[Array], norms: Sequence[Norm], clip_norms: Any) ->
     (one for all, or one per array)."""
     if not isinstance(clip_norms, (list, tuple)):
         clip_norms = [clip_norms] * len(xs)
-    return [apply_scale(x, clip_scale(n, c)) for x, n, c in zip(xs, norms, clip_norms)]
+    if not xs:
+        return []
+    cs = [
+        jnp.broadcast_to(jnp.asarray(c, n.frac.dtype), n.frac.shape)
+        for n, c in zip(norms, clip_norms)
+    ]
+    # One set of kernels for every array's factors (see stacked).
+    scales = stacked(
+        lambda f, e, c: clip_scale(Norm(f, e), c),
+        [n.frac for n in norms],
+        [n.exp for n in norms],
+        cs,
+    )
+    return [apply_scale(x, sc) for x, sc in zip(xs, scales)]
 
 
 def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:
