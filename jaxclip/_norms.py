@@ -118,9 +118,15 @@ def _pow2(k: Array, dtype: Any) -> Array:
     return lax.bitcast_convert_type((k + (info.maxexp - 1)) << info.nmant, dtype)
 
 
-def ldexp(x: Array, e: Array) -> Array:
+def ldexp(x: Array, e: Array, *, divide_last: bool = False) -> Array:
     """``x * 2**e`` in ``x``'s dtype, exact unless the result is outside the normal range;
-    ``e`` may exceed the exponent range (applied as three normal factors)."""
+    ``e`` may exceed the exponent range (applied as three normal factors).
+
+    With ``divide_last`` the third factor is applied as a division by its reciprocal (the
+    same value): XLA copies a chain of cheap scalar ops into every kernel that reads its
+    result, but computes a division once (see :func:`clip_scale`). Not for elementwise
+    use over large arrays, where a division costs more than a product.
+    """
     dtype = x.real.dtype if jnp.iscomplexobj(x) else x.dtype
     info = np.finfo(dtype)
     lo, hi = info.minexp, info.maxexp - 1
@@ -128,7 +134,8 @@ def ldexp(x: Array, e: Array) -> Array:
     e1 = jnp.clip(e, lo, hi)
     e2 = jnp.clip(e - e1, lo, hi)
     e3 = e - e1 - e2
-    return x * _pow2(e1, dtype) * _pow2(e2, dtype) * _pow2(e3, dtype)
+    y = x * _pow2(e1, dtype) * _pow2(e2, dtype)
+    return y / _pow2(-e3, dtype) if divide_last else y * _pow2(e3, dtype)
 
 
 class Norm(NamedTuple):
@@ -143,14 +150,7 @@ class Norm(NamedTuple):
     @property
     def value(self) -> Array:
         """The norm as a number (inf where it exceeds the dtype's range)."""
-        # ldexp, its last factor applied by a division: a cheap chain would be copied into
-        # every kernel that reads the value (see clip_scale).
-        info = np.finfo(self.frac.dtype)
-        e = jnp.asarray(self.exp, self.frac.dtype)
-        e1 = jnp.clip(e, info.minexp, info.maxexp - 1)
-        e2 = jnp.clip(e - e1, info.minexp, info.maxexp - 1)
-        rest = _pow2(e1 + e2 - e, self.frac.dtype)
-        return self.frac * _pow2(e1, self.frac.dtype) * _pow2(e2, self.frac.dtype) / rest
+        return ldexp(self.frac, self.exp, divide_last=True)
 
 
 def as_norm(value: Array) -> Norm:
@@ -831,13 +831,20 @@ def _unit_norms_body(
         parts = [
             lax.cond(
                 jnp.all(ok),
-                lambda s=s: (jnp.zeros_like(s), jnp.full_like(s, -jnp.inf), jnp.zeros_like(s)),
+                lambda s=s: neutral(jnp.zeros_like(s)),
                 functools.partial(rare, x, a, b, c, ok),
             )
             for x, a, b, c, s, ok in zip(units, axes, bucketed, combines, sums, oks)
         ]
         ms, es, ts = (list(v) for v in zip(*parts))
         return [finish(*flat) for flat in _stack(groups, sums, oks, ms, es, ts)]
+
+    def neutral(m: Array) -> tuple[Array, Array, Array]:
+        """The rare parts of slices that need none (in range, or all zeros of maxima
+        ``m``): Blue's three zero sums for p=2, else ``(m, -inf, 0)``."""
+        if p == 2.0:
+            return jnp.zeros_like(m), jnp.zeros_like(m), jnp.zeros_like(m)
+        return m, jnp.full_like(m, -jnp.inf), jnp.zeros_like(m)
 
     def finish(s: Array, ok: Array, m: Array, e: Array, t: Array) -> Norm:
         f = _root_norm(s, p)
@@ -853,17 +860,12 @@ def _unit_norms_body(
         # a max pass is ~2x faster than Blue's on XLA:CPU.
         m = _pmax(_max_abs(x, a, acc_dtype(x.dtype), native), c)
 
-        def zeros() -> tuple[Array, Array, Array]:
-            if p == 2.0:  # the three accumulators of zeros (or of in-range slices)
-                return jnp.zeros_like(m), jnp.zeros_like(m), jnp.zeros_like(m)
-            return m, jnp.full_like(m, -jnp.inf), jnp.zeros_like(m)
-
         def parts() -> tuple[Array, Array, Array]:
             if p == 2.0:  # one pass with Blue's three accumulators
                 return tuple(_psum(t, c) for t in _blue_sums(x, a, native))  # type: ignore[return-value]
             return (m, *_scaled_parts(x, p, a, native, m, c))
 
-        return lax.cond(jnp.all(ok | (m == 0)), zeros, parts)
+        return lax.cond(jnp.all(ok | (m == 0)), functools.partial(neutral, m), parts)
 
     return _unstack(lax.cond(all_ok, fast, scaled), groups, [v.shape for v in sums])
 
@@ -1197,7 +1199,8 @@ class Scale(NamedTuple):
     """The clipping factor of a norm: ``x`` is kept as it is where ``keep``, else
     multiplied by ``f0`` then ``f1``: ``f0`` carries the mantissa of ``c / n`` and as much
     of its exponent as stays normal, ``f1`` (a power of two, 1 unless ``c / n`` is below
-    the normal range) the rest, so that no factor is ever subnormal."""
+    the normal range) the rest, so that no factor is ever subnormal. ``keep`` is
+    ``f1 == 0``: :func:`clip_scale` sets ``f1`` to 0 where the norm is within the limit."""
 
     keep: Array
     f0: Array

@@ -182,20 +182,17 @@ def _agc(
     g_norms = _norms.slice_norms(gs, 2.0, axes, **kw)
     p_norms = _norms.slice_norms(ps, 2.0, axes, **kw)
 
-    def scale(gf: Array, ge: Array, pf: Array, pe: Array) -> _norms.Scale:
-        limit = clipping * jnp.maximum(_norms.Norm(pf, pe).value.astype(gf.dtype), eps)
-        return _norms.clip_scale(_norms.Norm(gf, ge), limit)
+    def limit(pf: Array, pe: Array) -> Array:
+        return clipping * jnp.maximum(_norms.Norm(pf, pe).value, eps)
 
-    # The limits and factors of all leaves as one set of kernels (per-leaf scalar maths
-    # would be traced and compiled once per leaf).
-    scales = _norms.stacked(
-        scale,
-        [n.frac for n in g_norms],
-        [n.exp for n in g_norms],
+    # All leaves' limits as one set of kernels (per-leaf scalar maths would be traced and
+    # compiled once per leaf), in the dtype of the gradients' norms.
+    limits = _norms.stacked(
+        limit,
         [n.frac.astype(g.frac.dtype) for n, g in zip(p_norms, g_norms)],
         [n.exp.astype(g.frac.dtype) for n, g in zip(p_norms, g_norms)],
     )
-    return [_norms.apply_scale(g, sc) for g, sc in zip(gs, scales)]
+    return _norms.rescale_each(gs, g_norms, limits)
 
 
 class AutoClipState(NamedTuple):
