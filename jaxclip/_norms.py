@@ -600,7 +600,10 @@ def _tangent(x: Array, dx: Array, norm: Norm, p: float, axes: Axes) -> Array:
     else:
         d = (jnp.sign(x).astype(acc) * dx.astype(acc)).astype(acc)
     dims = tuple(range(x.ndim)) if axes is None else axes
-    ratio = ldexp(a, -norm.exp) / jnp.where(norm.frac > 0, norm.frac, 1)  # |x| / n <= 1
+    # |x| / n <= 1, divided by n's mantissa only: XLA:CPU divides by a broadcast scalar
+    # as a product with its reciprocal, which is 0 for a divisor above 2**126.
+    frac, k = frexp(jnp.where(norm.frac > 0, norm.frac, 1))
+    ratio = ldexp(a, -(norm.exp + k)) / frac
     if p == math.inf:
         top = a == norm.value
         w = top.astype(acc) / jnp.maximum(jnp.sum(top, axis=dims, keepdims=True), 1).astype(acc)

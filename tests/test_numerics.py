@@ -110,6 +110,21 @@ def test_derivatives_match_finite_differences(mode, p):
         np.testing.assert_allclose(jvp, fd, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("value, n", [(3e37, 100), (1e37, 300), (2.0**-70, 64)])
+def test_norm_gradient_at_norms_beyond_2_pow_126(value, n):
+    """d||x||/dx = x / ||x|| where the norm is a normal number above 2**126 (XLA:CPU divides
+    by a broadcast scalar through its reciprocal, which is 0 there) or tiny."""
+    rng = np.random.default_rng(n)
+    x = jnp.asarray(value * rng.uniform(0.5, 1.0, n), jnp.float32)
+    x2 = x.reshape(4, -1)
+    want = ref.f64(x) / np.sqrt(np.sum(ref.f64(x) ** 2))
+    rows = ref.f64(x2) / np.sqrt(np.sum(ref.f64(x2) ** 2, axis=1, keepdims=True))
+    row_norms = lambda g: jnp.sum(jaxclip.clip_tree_by_norm(g, math.inf, axes=1)[1])  # noqa: E731
+    for grad in (jax.grad(jaxclip.global_norm), jax.jit(jax.grad(jaxclip.global_norm))):
+        np.testing.assert_allclose(ref.f64(grad(x)), want, rtol=2e-6)
+    np.testing.assert_allclose(ref.f64(jax.jit(jax.grad(row_norms))(x2)), rows, rtol=2e-6)
+
+
 def test_nonfinite_propagates_as_in_pytorch():
     g = [jnp.array([1.0, jnp.inf]), jnp.array([2.0])]
     out, n = jaxclip.clip_tree_by_global_norm(g, 1.0)
