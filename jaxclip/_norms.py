@@ -140,9 +140,9 @@ def ldexp(x: Array, e: Array, *, divide_last: bool = False) -> Array:
 
 class Norm(NamedTuple):
     """A norm as ``frac * 2**exp``, ``exp`` an integer held in ``frac``'s dtype: the value
-    itself with ``exp == 0`` where it is a normal number (or 0, inf, NaN), else ``frac``
-    in [0.5, 1), so that a norm beyond the dtype's range (four float32 values of 3e38)
-    still clips exactly."""
+    itself with ``exp == 0`` where it is a normal number (or 0, inf, NaN), else a normal
+    ``frac`` (see :func:`_from_root`), so that a norm beyond the dtype's range (four
+    float32 values of 3e38) still clips exactly."""
 
     frac: Array
     exp: Array
@@ -237,14 +237,17 @@ def _barrier(arrays: Sequence[Array], extra: Any = None) -> tuple[list[Array], l
 
 def _native(x: Array, bucketed: bool, rare: bool = False, p: float = 2.0) -> bool:
     """Whether ``x`` is reduced by XLA's own fused reduce (see :func:`_reduce`): f16 and
-    8-bit leaves, 16-bit buckets, and everything on the rare path (XLA:CPU's library
-    reduce would materialise the broadcast of the scale factors, or a widened copy where
-    two reductions read one low-precision leaf); never a sharded leaf, whose variadic
-    reduce XLA would partition with an all-gather."""
+    8-bit leaves, 16-bit buckets, every ``p=inf`` max (XLA:CPU's library max of 4096 or
+    more elements loses a NaN, returning -inf or a wrong maximum; the fused one is as
+    fast), and everything on the rare path (XLA:CPU's library reduce would materialise
+    the broadcast of the scale factors, or a widened copy where two reductions read one
+    low-precision leaf); never a sharded leaf, whose variadic reduce XLA would partition
+    with an all-gather (:func:`_inf_norm` carries its NaN by an ``any``)."""
     small = x.dtype.itemsize < 4 and not jnp.iscomplexobj(x)
     # bf16 goes to the library reduce only where its convert fuses (integer powers).
     fractional = math.isfinite(p) and p != int(p)
-    wanted = rare or (small and (x.dtype != jnp.bfloat16 or bucketed or fractional))
+    wanted = rare or p == math.inf
+    wanted |= small and (x.dtype != jnp.bfloat16 or bucketed or fractional)
     return wanted and _one_device(x)
 
 
@@ -446,12 +449,17 @@ def _blue_norm(hi: Array, mid: Array, lo: Array) -> Norm:
 
 def _from_root(r: Array, e: Any) -> Norm:
     """The norm ``r * 2**e`` as a :class:`Norm`: ``(value, 0)`` where the value is a
-    normal number (so derivatives are carried unscaled), else normalised."""
+    normal number (so derivatives are carried unscaled), else with ``frac`` in
+    ``[2**(g-1), 2**g)`` above the range and ``[2**(-g-1), 2**-g)`` below it, ``g`` half
+    the exponent range: the tangent ``dn * 2**-exp`` of ``frac`` then stays normal for
+    any realistic ``dn``, where a fraction in [0.5, 1) would underflow or overflow it."""
     e = jnp.asarray(e, r.dtype)
     v = ldexp(r, e)
     frac, k = frexp(r)
+    g = np.finfo(r.dtype).maxexp // 2
+    shift = jnp.where(k + e > 0, g, -g).astype(r.dtype)
     normal = jnp.isfinite(v) & ((v >= np.finfo(r.dtype).tiny) | (v == 0))
-    return Norm(jnp.where(normal, v, frac), jnp.where(normal, 0, k + e))
+    return Norm(jnp.where(normal, v, ldexp(frac, shift)), jnp.where(normal, 0, k + e - shift))
 
 
 def _root_norm(s: Array, p: float, e: Any = 0) -> Norm:
@@ -602,8 +610,10 @@ def _tangent(x: Array, dx: Array, norm: Norm, p: float, axes: Axes) -> Array:
     dims = tuple(range(x.ndim)) if axes is None else axes
     # |x| / n <= 1, divided by n's mantissa only: XLA:CPU divides by a broadcast scalar
     # as a product with its reciprocal, which is 0 for a divisor above 2**126.
-    frac, k = frexp(jnp.where(norm.frac > 0, norm.frac, 1))
-    ratio = ldexp(a, -(norm.exp + k)) / frac
+    # The mantissa by ldexp, not frexp's bits: second derivatives flow through it.
+    safe = jnp.where(norm.frac > 0, norm.frac, 1)
+    k = frexp(lax.stop_gradient(safe))[1]
+    ratio = ldexp(a, -(norm.exp + k)) / ldexp(safe, -k)
     if p == math.inf:
         top = a == norm.value
         w = top.astype(acc) / jnp.maximum(jnp.sum(top, axis=dims, keepdims=True), 1).astype(acc)
@@ -745,12 +755,12 @@ def clip_slices(
 
     def factors(frac: Array, exp: Array) -> tuple[Array, ...]:
         n = Norm(frac, exp)
-        return (n.value, *clip_scale(n, clip_norm))
+        return (n.value, *clip_scale(n, clip_norm), frac, exp)  # the norm for derivatives
 
     per_unit = stacked(factors, [n.frac for n in norms], [n.exp for n in norms])
     out, values = [], []
-    for x, a, (value, *scale) in zip(leaves, axes, _per_leaf(leaves, per_unit, where)):
-        out.append(apply_scale(x, Scale(*scale)))
+    for x, a, (value, *rest) in zip(leaves, axes, _per_leaf(leaves, per_unit, where)):
+        out.append(clip_apply(x, Scale(*rest[:3]), Norm(*rest[3:]), clip_norm))
         values.append(value.reshape(()) if a is None else jnp.squeeze(value, axis=a))
     return out, values
 
@@ -1249,12 +1259,53 @@ def apply_scale(x: Array, scale: Scale) -> Array:
     return jnp.where(scale.keep, x, (xs * f0 * f1).astype(x.dtype))
 
 
+@jax.custom_jvp
+def _clipped(x: Array, keep: Array, f0: Array, f1: Array, frac: Array, exp: Array, c: Array):
+    """:func:`apply_scale` of the scale of norm ``frac * 2**exp`` and clip norm ``c``,
+    differentiated as one step (see :func:`clip_apply`)."""
+    return apply_scale(x, Scale(keep, f0, f1))
+
+
+@_clipped.defjvp
+def _clipped_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
+    x, keep, f0, f1, frac, exp, c = primals
+    dx, _, _, _, dfrac, _, dc = tangents
+    out = apply_scale(x, Scale(keep, f0, f1))
+    acc = acc_dtype(x.dtype)
+
+    def wide(v: Array) -> Array:
+        return v if jnp.iscomplexobj(v) else v.astype(acc)
+
+    # d(x c/n) = (c/n) (dx - (x/n) dn) + (x/n) dc, each part well scaled (|x/n| <= 1, dn
+    # unscaled): the chain rule through the factor would form sum(x * ct), which
+    # overflows for large x, and dn/n, which underflows. Where x is kept the factors are
+    # replaced by 1, so that no inf * 0 reaches the transpose (c = inf: f0 = inf, f1 = 0).
+    safe = jnp.where(frac > 0, frac, 1)
+    k = frexp(lax.stop_gradient(safe))[1]
+    x_n = ldexp(wide(x), -(exp + k)) / ldexp(safe, -k)  # by the mantissa: see _tangent
+    f0s, f1s = jnp.where(keep, 1, f0).astype(acc), jnp.where(keep, 1, f1).astype(acc)
+    dn = jnp.where(keep, 0, ldexp(dfrac, exp))
+    dcs = jnp.where(keep | (c < 0), 0, dc)
+    t = (wide(dx) - x_n * dn) * f0s * f1s + x_n * dcs
+    return out, jnp.where(keep, dx, t.astype(x.dtype))
+
+
+def clip_apply(x: Array, scale: Scale, norm: Norm, clip_norm: Any) -> Array:
+    """``apply_scale(x, scale)`` for ``scale = clip_scale(norm, clip_norm)``, with
+    derivatives that stay finite where ``x`` or the norm are near the dtype's largest
+    value and where ``clip_norm`` is infinite."""
+    c = jnp.asarray(clip_norm, norm.frac.dtype)
+    return _clipped(x, scale.keep, scale.f0, scale.f1, norm.frac, norm.exp, c)
+
+
 @jax.jit
 def rescale(xs: Sequence[Array], norm: Norm | Array, clip_norm: Any) -> list[Array]:
     """Every array of ``xs`` (of joint norm ``norm``) scaled so that the norm is at most
     ``clip_norm``; one compiled call, so eager use costs one dispatch."""
+    if not isinstance(norm, Norm):
+        norm = as_norm(jnp.asarray(norm))
     scale = clip_scale(norm, clip_norm)
-    return [apply_scale(x, scale) for x in xs]
+    return [clip_apply(x, scale, norm, clip_norm) for x in xs]
 
 
 @jax.jit
@@ -1276,7 +1327,7 @@ def rescale_each(xs: Sequence[Array], norms: Sequence[Norm], clip_norms: Any) ->
         [n.exp for n in norms],
         cs,
     )
-    return [apply_scale(x, sc) for x, sc in zip(xs, scales)]
+    return [clip_apply(x, sc, n, c) for x, sc, n, c in zip(xs, scales, norms, cs)]
 
 
 def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:

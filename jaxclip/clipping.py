@@ -367,6 +367,13 @@ def clip_by_value(
     return optax.stateless(clip)
 
 
+def _largest(norms: Array) -> Array:
+    """The largest of a leaf's slice norms, NaN if one is (XLA:CPU's max of 4096 or more
+    values can lose a NaN)."""
+    top = jnp.max(norms, initial=0).astype(jnp.float32)
+    return jnp.where(jnp.any(jnp.isnan(norms)), jnp.nan, top)
+
+
 def clip_by_norm(
     clip_norm: ArrayLike,
     *,
@@ -436,7 +443,7 @@ def clip_by_norm(
             error_if_nonfinite=error_if_nonfinite,
             axis_name=axis_name,
         )
-        largest = jax.tree.map(lambda n: jnp.max(n, initial=0).astype(jnp.float32), norms)
+        largest = jax.tree.map(_largest, norms)
         if isinstance(state, ClipByNormState):
             _tree.check_same_selection(
                 list(_tree.leaves_by_path(state.norms)),

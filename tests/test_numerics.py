@@ -125,6 +125,78 @@ def test_norm_gradient_at_norms_beyond_2_pow_126(value, n):
     np.testing.assert_allclose(ref.f64(jax.jit(jax.grad(row_norms))(x2)), rows, rtol=2e-6)
 
 
+def test_second_derivatives_match_the_formulas():
+    """Hessians through the norm and the clipping (the norm is not a constant in its own
+    derivative): H||x||_p = (p-1)/n (diag r^(p-2) - r^(p-1) r^(p-1)^T), r = |x|/n, and for
+    f = c w.x / n: c (3 (w.x) x x^T / n^5 - (w x^T + x w^T + (w.x) I) / n^3)."""
+    x, w = np.array([3.0, 4.0]), np.array([1.0, -2.0])
+    for p in (2.0, 3.0):
+        n = np.sum(np.abs(x) ** p) ** (1 / p)
+        r = np.abs(x) / n
+        want = (p - 1) / n * (np.diag(r ** (p - 2)) - np.outer(r ** (p - 1), r ** (p - 1)))
+        got = jax.hessian(lambda g, p=p: jaxclip.global_norm(g, norm_type=p))(jnp.asarray(x))
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+    c, n, wx = 1.0, 5.0, w @ x
+    want = c * (3 * wx * np.outer(x, x) / n**5 - (np.outer(w, x) + np.outer(x, w)) / n**3)
+    want -= c * wx * np.eye(2) / n**3
+    for mode in ("global", "norm"):
+        loss = lambda g, m=mode: jnp.sum(_jitted(m, 2.0, c).__wrapped__(g)[0] * w)  # noqa: E731
+        np.testing.assert_allclose(jax.hessian(loss)(jnp.asarray(x)), want, rtol=2e-6, atol=1e-7)
+
+
+def test_derivatives_where_the_float32_norm_overflows():
+    """Four values of 3e38 (norm 6e38): the Jacobian of the clipped update is
+    (c/n)(I - x x^T/n^2) in forward and reverse mode, and d||x||/dx = x/n, although the
+    chain rule through the factor would form sum(x) (inf) and dn/n (subnormal)."""
+    x = jnp.full((4,), 3e38, jnp.float32)
+    x64, c = ref.f64(x), 1e30
+    n = np.sqrt(np.sum(x64**2))
+    want = (c / n) * (np.eye(4) - np.outer(x64, x64) / n**2)
+    fns = {
+        "global": lambda g: jaxclip.clip_tree_by_global_norm(g, c)[0],
+        "norm": lambda g: jaxclip.clip_tree_by_norm(g, c)[0],
+        "rows": lambda g: jaxclip.clip_tree_by_norm(g[None], c, axes=1)[0][0],
+    }
+    for name, f in fns.items():
+        for jac in (jax.jacrev, jax.jacfwd):
+            np.testing.assert_allclose(ref.f64(jac(f)(x)), want, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(ref.f64(jax.grad(jaxclip.global_norm)(x)), x64 / n, rtol=1e-6)
+    _, tangent = jax.jvp(jaxclip.global_norm, (x,), (jnp.ones(4),))
+    np.testing.assert_allclose(float(tangent), np.sum(x64) / n, rtol=1e-6)
+
+
+def test_gradient_through_an_infinite_threshold_is_the_identity():
+    """An infinite clip norm keeps every update: the gradient is exactly 1 (f0 = inf,
+    f1 = 0 never meet in the transpose)."""
+    g = jnp.array([1.0, 2.0, 2.0])
+    for tx in (
+        jaxclip.clip_by_global_norm(jnp.inf),
+        jaxclip.clip_by_norm(jnp.inf),
+        jaxclip.quantile_clip(global_threshold=True),  # no history yet: threshold inf
+        jaxclip.standard_clip(),
+    ):
+        grad = jax.grad(lambda u, tx=tx: jnp.sum(tx.update(u, tx.init(u))[0]))(g)
+        np.testing.assert_array_equal(grad, np.ones(3))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_inf_norm_keeps_nan_in_large_leaves(dtype):
+    """XLA:CPU's library max of 4096 or more values loses a NaN (-inf, or a wrong max);
+    p = inf must still return NaN, and the right maximum without one."""
+    inf = math.inf
+    x = jnp.asarray(np.arange(5000.0), dtype)
+    bad = x.at[-1].set(jnp.nan)
+    rows = jnp.ones((3, 5000), dtype).at[1, -1].set(jnp.nan)
+    assert float(jaxclip.global_norm(x, norm_type=inf)) == float(x[-1])
+    assert np.isnan(jaxclip.global_norm(bad, norm_type=inf))
+    row_norms = jaxclip.clip_tree_by_norm(rows, 1.0, axes=1, norm_type=inf)[1]
+    np.testing.assert_array_equal(np.isnan(row_norms), [False, True, False])
+    example_norms = jaxclip.clip_tree_per_example(rows, 1.0, norm_type=inf)[1]
+    np.testing.assert_array_equal(np.isnan(example_norms), [False, True, False])
+    tx = jaxclip.clip_by_norm(1.0, axes=0)  # the state's largest of 5000 column norms
+    assert np.isnan(tx.update({"w": rows}, tx.init({"w": rows}))[1].norms["w"])
+
+
 def test_nonfinite_propagates_as_in_pytorch():
     g = [jnp.array([1.0, jnp.inf]), jnp.array([2.0])]
     out, n = jaxclip.clip_tree_by_global_norm(g, 1.0)
