@@ -130,6 +130,11 @@ def check_norm_type(norm_type: Any) -> float:
             "number (it decides the computation), e.g. 2.0 or float('inf'). "
             f"{static_hint('norm_type')}."
         )
+    if isinstance(norm_type, (bool, np.bool_)):
+        raise ValueError(
+            f"jaxclip: norm_type={norm_type!r} is a bool, not a norm; use a float p > 0 "
+            "(2.0 for the Euclidean norm) or float('inf')."
+        )
     try:
         p = float(norm_type)
     except (TypeError, ValueError) as e:

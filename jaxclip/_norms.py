@@ -347,18 +347,42 @@ def _power_sum(x: Array, p: float, axes: Axes, native: bool) -> Array:
     return _reduce(x, lambda v, _: _power_abs(v, p, acc), axes, "sum", native)
 
 
+#: Up to this p the rare path scales by a power of two (exact); above it, also by the
+#: mantissa of the largest magnitude: the largest term, in [0.5, 1)^p, would underflow.
+POWER_OF_TWO_MAX_P = 64.0
+
+
+def _scale_of(m: Array, p: float) -> tuple[Array, Array]:
+    """For the rare path of a p-norm of largest magnitude ``m`` (per slice): ``e``, the
+    exponent of ``m``, and ``mant``: the terms are ``(|x| 2**-e / mant)^p``, so that the
+    largest is 1 (``mant`` is 1 up to :data:`POWER_OF_TWO_MAX_P`, else m's mantissa, at
+    the cost of one rounding per term) and the norm is ``mant t**(1/p) 2**e``."""
+    e = frexp(m)[1]
+    if p <= POWER_OF_TWO_MAX_P:
+        return e, jnp.ones_like(m)
+    good = (m > 0) & jnp.isfinite(m)
+    return e, jnp.where(good, ldexp(m, -e), 1)
+
+
+def _factors(e: Array, mant: Array, p: float, dtype: Any) -> tuple[Array, Array]:
+    """``2**-e / mant`` as two normal factors in ``dtype`` (see :func:`_scale_of`)."""
+    half = jnp.floor(-e / 2)
+    rest = _pow2(-e - half, dtype)
+    return _pow2(half, dtype), rest if p <= POWER_OF_TWO_MAX_P else rest / mant.astype(dtype)
+
+
 def _scaled_parts(
     x: Array, p: float, axes: Axes, native: bool, m: Array, combine: Combine = ()
 ) -> tuple[Array, Array]:
     """The rare path for one array, given ``m = max |x|`` per slice (combined): ``(e, t)``,
     ``e`` the exponent of ``m`` (float; -inf where ``m`` is 0 or not finite) and
-    ``t = sum (|x| 2**-e)^p``, each term at most 1, so nothing overflows and only
-    negligible terms underflow; ``t`` combined over the mapped axes ``combine``."""
+    ``t = sum (|x| 2**-e / mant)^p`` (see :func:`_scale_of`), each term at most 1, so
+    nothing overflows and only negligible terms underflow; ``t`` combined over the mapped
+    axes ``combine``."""
     acc = acc_dtype(x.dtype)
-    e = frexp(m)[1]
+    e, mant = _scale_of(m, p)
     good = (m > 0) & jnp.isfinite(m)
-    half = jnp.floor(-e / 2)
-    factors = (_pow2(half, acc), _pow2(-e - half, acc))  # 2**-e as two normal parts
+    factors = _factors(e, mant, p, acc)
     x, factors = lax.optimization_barrier((x, factors))  # no materialised broadcast
     t = _psum(_reduce(x, _scaled_elem(p, acc), axes, "sum", native, factors), combine)
     return jnp.where(good, e, -jnp.inf), t
@@ -462,18 +486,22 @@ def _from_root(r: Array, e: Any) -> Norm:
     return Norm(jnp.where(normal, v, ldexp(frac, shift)), jnp.where(normal, 0, k + e - shift))
 
 
-def _root_norm(s: Array, p: float, e: Any = 0) -> Norm:
-    """The norm ``s**(1/p) * 2**e`` of a power sum ``s >= 0``.
+def _root_norm(s: Array, p: float, e: Any = 0, mant: Array | None = None) -> Norm:
+    """The norm ``mant * s**(1/p) * 2**e`` of a power sum ``s >= 0`` (``mant`` in
+    [0.5, 1] for ``p`` above :data:`POWER_OF_TWO_MAX_P`, see :func:`_scale_of`).
 
     Integer ``p`` use :func:`root`. Otherwise ``s = f * 2**k`` and the root is
     ``f**(1/p) * 2**(k/p)``: ``pow`` sees only ``f`` in [0.5, 1) (``pow(s, 1/p)`` would
     magnify the rounding of ``1/p`` by ``ln s``, ~1e-6 at s ~ 1e-15), ``k/p`` is formed
     with ``1/p`` split into exact parts, and its integer part stays in the exponent, so a
-    root beyond the dtype's range (``p < 1``) is still exact.
+    root beyond the dtype's range (``p < 1``) is still exact; below ``p = 1/64`` the
+    exponent of ``f**(1/p)`` joins it too (``f**(1/p)`` itself would underflow).
     """
     e = jnp.asarray(e, s.dtype)
-    if p == int(p) and p <= 64:
+    if p == int(p) and p <= POWER_OF_TWO_MAX_P:
         return _from_root(root(s, p), e)
+    if mant is not None:  # the largest term is 1 but for rounding, raised to a huge p
+        s = jnp.where(s < 1, 1, s)
     inv = 1.0 / p
     top = math.frexp(inv)[1]
     hi = math.ldexp(round(math.ldexp(inv, 12 - top)), top - 12)  # 12 bits: k * hi is exact
@@ -482,7 +510,15 @@ def _root_norm(s: Array, p: float, e: Any = 0) -> Norm:
     f, k = frexp(s)
     q = k * hi
     whole = jnp.floor(q)
-    r = jnp.power(f, inv) * jnp.exp2((q - whole) + (k * mid + k * lo))
+    if inv <= POWER_OF_TWO_MAX_P:
+        r = jnp.power(f, inv) * jnp.exp2((q - whole) + (k * mid + k * lo))
+    else:  # f**(1/p) as 2**(log2(f) / p), its integer part in the exponent
+        a = jnp.log2(f) * inv
+        whole_a = jnp.floor(a)
+        r = jnp.exp2((q - whole) + (k * mid + k * lo) + (a - whole_a))
+        whole = whole + whole_a
+    if mant is not None:
+        r = r * mant
     n = _from_root(r, e + whole)
     good = jnp.isfinite(s) & (s > 0)
     return Norm(jnp.where(good, n.frac, s), jnp.where(good, n.exp, 0))
@@ -864,7 +900,8 @@ def _unit_norms_body(
         if p == 2.0:  # (m, e, t) are the three accumulators
             n = _blue_norm(m, e, t)
         else:
-            n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0)))
+            mant = _scale_of(m, p)[1] if p > POWER_OF_TWO_MAX_P else None
+            n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0), mant))
         return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
 
     def rare(x: Array, a: Axes, b: bool, c: Combine, ok: Array) -> tuple[Array, Array, Array]:
@@ -1157,12 +1194,9 @@ def _global_norm_body(
         # the largest magnitude m = f * 2**e, applied as two normal factors per dtype.
         ms = [_max_abs(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, rare)]
         m = _max_over(ms, combines, acc, shape)
-        e = frexp(m)[1]
-        half = jnp.floor(-e / 2)
+        e, mant = _scale_of(m, p)
         # 2**-e per accumulation dtype (clamped: parts out of its range are negligible).
-        factors = {
-            d: (_pow2(half, d), _pow2(-e - half, d)) for d in {acc_dtype(u.dtype) for u in units}
-        }
+        factors = {d: _factors(e, mant, p, d) for d in {acc_dtype(u.dtype) for u in units}}
         # A second, separately fused read; the factors pass the barrier too, else XLA:CPU
         # materialises their broadcast to the leaves' shape.
         again, per_unit = _barrier(units, factors)
@@ -1171,7 +1205,9 @@ def _global_norm_body(
             ua = acc_dtype(u.dtype)
             f = tuple(keep(v, u) for v in fs[ua])
             ts.append(_reduce(u, _scaled_elem(p, ua), a, "sum", nat, f))
-        return keep_fast(_special(m, _root_norm(_sum_over(ts, combines, acc, shape), p, e)))
+        big = p > POWER_OF_TWO_MAX_P
+        t = _sum_over(ts, combines, acc, shape)
+        return keep_fast(_special(m, _root_norm(t, p, e, mant if big else None)))
 
     def keep_fast(n: Norm) -> Norm:
         if not shape:
@@ -1345,10 +1381,13 @@ def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:
         for v, name in zip(vals, names):
             v = np.asarray(v)
             if not np.all(np.isfinite(v)):
+                top = np.finfo(v.dtype).max if v.dtype.kind == "f" else np.inf
                 raise NonFiniteNormError(
                     f"jaxclip: the {name} is non-finite ({v.max() if v.size else v}): the "
-                    "gradients hold inf or NaN. Find where they come from, or pass "
-                    "error_if_nonfinite=False to let NaN/inf propagate as in PyTorch."
+                    f"gradients hold inf or NaN, or their norm exceeds {v.dtype}'s range "
+                    f"({top:.3g}). Find where they come from, or pass "
+                    "error_if_nonfinite=False: NaN/inf then propagate as in PyTorch, and "
+                    "finite gradients whose norm overflows are still clipped exactly."
                 )
 
     try:

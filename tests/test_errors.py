@@ -31,6 +31,7 @@ GRADS = {"encoder": [{"kernel": jnp.ones((2, 3))}], "bias": jnp.ones(3)}
         ),
         (lambda: jaxclip.clip_by_global_norm(1.0, norm_type=-2), r"not a valid norm"),
         (lambda: jaxclip.clip_by_norm(1.0, norm_type=float("nan")), r"not a valid norm"),
+        (lambda: jaxclip.global_norm([1.0], norm_type=True), r"norm_type=True is a bool"),
         (lambda: jaxclip.clip_by_norm(1.0, norm_type="fro"), r"not a number"),
         (lambda: jaxclip.clip_by_norm(1.0, axes=[1, 1]), r"names an axis twice"),
         (lambda: jaxclip.clip_by_norm(1.0, axes=[0.5]), r"int or a sequence of ints"),
@@ -99,7 +100,8 @@ BAD = {"enc": {"w": jnp.array([1.0, jnp.inf])}, "b": jnp.array([1.0])}
 NONFINITE = {
     "global": (
         lambda: jaxclip.clip_by_global_norm(1.0, error_if_nonfinite=True),
-        "jaxclip: the global norm is non-finite (inf): the gradients hold inf or NaN.",
+        "jaxclip: the global norm is non-finite (inf): the gradients hold inf or NaN, or "
+        "their norm exceeds float32's range (3.4e+38).",
     ),
     "per-leaf": (
         lambda: jaxclip.clip_by_norm(1.0, error_if_nonfinite=True),

@@ -197,6 +197,42 @@ def test_inf_norm_keeps_nan_in_large_leaves(dtype):
     assert np.isnan(tx.update({"w": rows}, tx.init({"w": rows}))[1].norms["w"])
 
 
+@pytest.mark.parametrize(
+    "ps",
+    [
+        pytest.param((127.0, 1e30, 0.05), id="quick"),
+        pytest.param((100.0, 1000.0, 1e6, 0.2), id="more", marks=pytest.mark.slow),
+    ],
+)
+def test_extreme_norm_types(ps):
+    """p far above 64 (where the largest scaled term, in [0.5, 1)^p, would underflow) and
+    p far below 1 (f**(1/p) would): ||x||_p = m (sum (|x|/m)^p)^(1/p) in float64, inf
+    where it exceeds float32; the update is clipped by it."""
+    rng = np.random.default_rng(7)
+    f = jax.jit(
+        lambda g, p: (
+            jaxclip.global_norm(g, p),
+            jaxclip.clip_tree_by_norm(g[None], 1.0, axes=1, norm_type=p)[1][0],
+            jaxclip.clip_tree_per_example(g[None], 1.0, norm_type=p)[1][0],
+        ),
+        static_argnums=1,
+    )
+    for x in (np.array([3.0, 4.0]), 1e-20 * rng.normal(size=5000)):
+        g = jnp.asarray(x, jnp.float32)
+        a = np.abs(ref.f64(g))
+        m = a.max()
+        for p in ps:
+            want = m * np.sum((a / m) ** p) ** (1 / p) if p > 1 else np.sum(a**p) ** (1 / p)
+            want = np.float64(np.float32(want)) if want < 3e38 else np.inf
+            rtol = 4e-6 if p > 1 else 2e-5  # a sum's rounding, magnified by 1/p
+            for got in f(g, p):
+                np.testing.assert_allclose(ref.f64(got), want, rtol=rtol, err_msg=f"p={p}")
+    out, norm = jaxclip.clip_tree_by_global_norm(jnp.array([3.0, 4.0]), 1.0, norm_type=127.0)
+    assert float(norm) == 4.0
+    np.testing.assert_allclose(out, [0.75, 1.0], rtol=1e-6)
+    assert float(jaxclip.global_norm(jnp.array([3.0, 4.0]), 0.001)) == math.inf  # 3.7e301
+
+
 def test_nonfinite_propagates_as_in_pytorch():
     g = [jnp.array([1.0, jnp.inf]), jnp.array([2.0])]
     out, n = jaxclip.clip_tree_by_global_norm(g, 1.0)
