@@ -211,11 +211,25 @@ class AutoClipState(NamedTuple):
     global_norm: Array
 
 
+def _alias(value: Any, default: Any, name: str, alias: Any, alias_name: str) -> Any:
+    """``value``, or the reference's spelling ``alias`` of it where given (not both)."""
+    if alias is None:
+        return value
+    if value is not default:
+        raise TypeError(
+            f"jaxclip.auto_clip: both {name}= and {alias_name}= (its reference name) were "
+            "given; pass one."
+        )
+    return alias
+
+
 def auto_clip(
     percentile: float = 10.0,
     *,
     window: StaticInt = _WINDOW,
     need_clip: _tree.NeedClip = None,
+    clip_percentile: float | None = None,
+    history_size: StaticInt | None = None,
 ) -> optax.GradientTransformation:
     """AutoClip: clips the global norm to a percentile of the global norms seen so far.
 
@@ -234,6 +248,8 @@ def auto_clip(
       percentile: in ``(0, 100]``; 10 is the paper's default.
       window: how many past norms are kept.
       need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+      clip_percentile: the reference implementation's name of ``percentile``.
+      history_size: the TensorFlow port's name of ``window``.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`AutoClipState`.
@@ -251,6 +267,8 @@ def auto_clip(
       Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source Separation
       Networks <https://arxiv.org/abs/2007.14469>`_, 2020
     """
+    percentile = _alias(percentile, 10.0, "percentile", clip_percentile, "clip_percentile")
+    window = _alias(window, _WINDOW, "window", history_size, "history_size")
     _checks.check_percentile(percentile, "auto_clip")
     window = _checks.static_int(window, "window", "auto_clip")
 
@@ -266,7 +284,7 @@ def auto_clip(
 
     def update_fn(updates: PyTree, state: AutoClipState, params: Any = None):
         del params
-        sel, xs, norm = _selected(updates, need_clip)
+        sel, xs, norm, parts = _selected(updates, need_clip)
         finite = jnp.isfinite(norm)
         history = jnp.where(
             finite, state.history.at[state.finite_count % window].set(norm), state.history
@@ -275,7 +293,7 @@ def auto_clip(
         # With no finite norm recorded yet (a non-finite first step) the threshold is 0, so
         # an inf norm scales by 0 and a NaN norm gives NaN, as in clip_by_global_norm.
         threshold = jnp.where(count > 0, jnp.nanpercentile(history, percentile), 0.0)
-        return _rescaled(sel, xs, norm, threshold), AutoClipState(history, count, threshold, norm)
+        return _rescaled(sel, xs, parts, threshold), AutoClipState(history, count, threshold, norm)
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
@@ -479,11 +497,14 @@ def standard_clip(
 
 def _selected(
     updates: PyTree, need_clip: _tree.NeedClip, p: float = 2.0
-) -> tuple[_tree.Selection, list[Array], Array]:
-    """The selection, its leaves as arrays and their global p-norm (float32)."""
+) -> tuple[_tree.Selection, list[Array], Array, _norms.Norm]:
+    """The selection, its leaves as arrays, and their global p-norm: as a float32 value
+    (for the statistics) and exactly (for the scaling: a finite tree whose norm overflows
+    float32 is still clipped, not zeroed)."""
     sel = _tree.select(updates, need_clip, what="adaptive clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
-    return sel, xs, _norms.global_norm(xs, p).astype(jnp.float32)
+    parts = _norms.global_norm_parts(xs, p)
+    return sel, xs, parts.value.astype(jnp.float32), parts
 
 
 class ZClipState(NamedTuple):
@@ -512,21 +533,22 @@ _UNSET: Any = object()  # max_norm, the old name of max_grad_norm, not given
 def zclip(
     alpha: float = 0.97,
     z_thresh: float = 2.5,
-    warmup_steps: StaticInt = _WARMUP,
-    *,
     max_grad_norm: float | None = 1.0,
     eps: float = 1e-6,
+    warmup_steps: StaticInt = _WARMUP,
     mode: str = "zscore",
     clip_option: str = "adaptive_scaling",
     clip_factor: float = 1.0,
     skip_update_on_spike: bool = False,
+    *,
     need_clip: _tree.NeedClip = None,
     max_norm: Any = _UNSET,
 ) -> optax.GradientTransformation:
     """ZClip: clips global-norm spikes detected against moving statistics of the norm.
 
     The reference package's algorithm (``ZClip`` in bluorion-com/ZClip ``zclip/zclip.py``),
-    with its options under its names and its defaults. During the first ``warmup_steps``
+    with its options under its names, in its positional order (``zclip(0.97, 2.5, 2.0)``
+    caps at 2.0, as ``ZClip(0.97, 2.5, 2.0)``), and its defaults. During the first ``warmup_steps``
     finite norms only statistics are gathered (each step capped at ``max_grad_norm``); then
     ``mean`` and ``var`` start as their mean and population variance. After that, with
     ``std = sqrt(var)`` and the global norm ``n``:
@@ -622,7 +644,7 @@ def zclip(
 
     def update_fn(updates: PyTree, state: ZClipState, params: Any = None):
         del params
-        sel, xs, norm = _selected(updates, need_clip)
+        sel, xs, norm, parts = _selected(updates, need_clip)
         finite = jnp.isfinite(norm)
         warming = state.finite_count < warmup_steps
         std = jnp.sqrt(state.var)
@@ -640,7 +662,7 @@ def zclip(
         spike = ~warming & spike
         adaptive = jnp.where(spike, limit, norm)
         threshold = jnp.minimum(adaptive, cap)
-        clipped = _rescaled(sel, xs, norm, threshold)
+        clipped = _rescaled(sel, xs, parts, threshold)
 
         warmup = jnp.where(
             warming & finite,

@@ -291,3 +291,35 @@ def test_quantile_clip_state_has_one_row_per_selected_leaf():
         jaxclip.quantile_clip(0.5, 4).update(
             {"a": jnp.ones(2)}, jaxclip.quantile_clip(0.5).init(tree)
         )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [jaxclip.auto_clip, jaxclip.zclip, lambda: jaxclip.zclip(warmup_steps=1)],
+    ids=["auto_clip", "zclip-warmup", "zclip-spike"],
+)
+def test_a_finite_step_whose_norm_overflows_float32_is_clipped_not_zeroed(make):
+    """[3e38, 3e38] has norm 4.2e38 (inf in float32): scaled to the threshold 1 along its
+    direction, as clip_by_global_norm does, not multiplied by 1/inf = 0."""
+    tx = make()
+    _, state = tx.update(jnp.array([0.6, 0.8]), tx.init(jnp.zeros(2)))
+    out, state = tx.update(jnp.array([3e38, 3e38]), state)
+    np.testing.assert_allclose(out, [2**-0.5, 2**-0.5], rtol=1e-6)
+    assert float(state.threshold) == 1.0 and float(state.global_norm) == math.inf
+
+
+def test_reference_spellings_port_unchanged():
+    """ZClip(alpha, z_thresh, max_grad_norm, eps, warmup_steps, ...) positionally, and
+    AutoClip's clip_percentile / history_size names."""
+    tx = jaxclip.zclip(0.97, 2.5, 2.0, 1e-6, 3)
+    out, state = tx.update(jnp.array([3.0, 4.0]), tx.init(jnp.zeros(2)))
+    np.testing.assert_allclose(out, [1.2, 1.6], rtol=1e-6)  # capped at max_grad_norm=2
+    assert state.warmup.shape == (3,)
+    ours = jaxclip.auto_clip(50.0, window=4)
+    theirs = jaxclip.auto_clip(clip_percentile=50.0, history_size=4)
+    s1, s2 = ours.init(jnp.zeros(1)), theirs.init(jnp.zeros(1))
+    for g in (1.0, 3.0, 100.0):
+        (o1, s1), (o2, s2) = ours.update(jnp.array([g]), s1), theirs.update(jnp.array([g]), s2)
+        np.testing.assert_array_equal(o1, o2)
+    with pytest.raises(TypeError, match="both percentile= and clip_percentile="):
+        jaxclip.auto_clip(20.0, clip_percentile=50.0)
