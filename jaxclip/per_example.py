@@ -432,7 +432,7 @@ def clip_per_example(
         return ClipPerExampleState(norms, fraction, jnp.asarray(key))
 
     def update_fn(updates: PyTree, state: ClipPerExampleState, params: Any = None):
-        del params
+        _check_against_params(updates, params, fn)
         key, sub = jax.random.split(state.key) if noisy else (state.key, None)
         std = noise_multiplier * jnp.asarray(clip_norm, jnp.float32)
         tree, norms, fractions, batch = _per_example(
@@ -456,6 +456,30 @@ def clip_per_example(
         return tree, ClipPerExampleState(kept, pack(fractions), key)
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+def _check_against_params(updates: PyTree, params: Any, fn: str) -> None:
+    """Where ``params`` are given with the same structure, every update must be a params
+    leaf with a leading batch axis: already averaged gradients whose leaves happen to
+    share a leading size would otherwise pass as a batch."""
+    if params is None:
+        return
+    paths, ups, tree = _tree.flatten_with_paths(updates)
+    _, ps, ptree = _tree.flatten_with_paths(params)
+    if tree != ptree:
+        return
+    for path, u, p in zip(paths, ups, ps):
+        if not hasattr(u, "shape") or not hasattr(p, "shape") or _is_key(u):
+            continue
+        if tuple(u.shape[1:]) != tuple(p.shape) or len(u.shape) != len(p.shape) + 1:
+            where = _tree.shown(_tree.path_str(path))
+            raise ValueError(
+                f"jaxclip.{fn}: the update at {where} has shape {tuple(u.shape)}, but its "
+                f"param has shape {tuple(p.shape)}: per-example gradients have shape "
+                f"(batch, {', '.join(map(str, p.shape))}). Compute them with "
+                "jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, batch), not an "
+                "averaged gradient."
+            )
 
 
 def _is_key(x: Any) -> bool:

@@ -32,6 +32,10 @@ GRADS = {"encoder": [{"kernel": jnp.ones((2, 3))}], "bias": jnp.ones(3)}
         (lambda: jaxclip.clip_by_global_norm(1.0, norm_type=-2), r"not a valid norm"),
         (lambda: jaxclip.clip_by_norm(1.0, norm_type=float("nan")), r"not a valid norm"),
         (lambda: jaxclip.global_norm([1.0], norm_type=True), r"norm_type=True is a bool"),
+        (
+            lambda: jaxclip.clip_tree_by_global_norm([jnp.ones(2)], 1.0, use_norm=-4.0),
+            r"use_norm=-4.0 is negative",
+        ),
         (lambda: jaxclip.clip_by_norm(1.0, norm_type="fro"), r"not a number"),
         (lambda: jaxclip.clip_by_norm(1.0, axes=[1, 1]), r"names an axis twice"),
         (lambda: jaxclip.clip_by_norm(1.0, axes=[0.5]), r"int or a sequence of ints"),

@@ -287,3 +287,16 @@ def test_no_per_example_copy_and_temp_within_optax(dtype):
     if dtype == jnp.float32:  # optax widens bf16 (137 MB on the benchmark's MLP): no contest
         theirs = jax.jit(lambda t: optax.per_example_global_norm_clip(t, 1.0)).lower(g).compile()
         assert temp <= theirs.memory_analysis().temp_size_in_bytes + 16 * batch * 4
+
+
+def test_averaged_gradients_are_refused_when_params_are_given():
+    """optax's test_aggregated_updates_as_input_fails: updates of the params' own shapes
+    (leaves that happen to share a leading size) are not per-example gradients."""
+    params = {"a": jnp.zeros((4, 3)), "b": jnp.zeros((4, 5))}
+    tx = jaxclip.clip_per_example(1.0)
+    averaged = jax.tree.map(jnp.ones_like, params)
+    with pytest.raises(ValueError, match=r"update at 'a' has shape \(4, 3\), but its param"):
+        tx.update(averaged, tx.init(params), params)
+    per_example = jax.tree.map(lambda x: jnp.ones((8, *x.shape)), params)
+    out, _ = tx.update(per_example, tx.init(params), params)
+    assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, params)
