@@ -110,7 +110,14 @@ def test_derivatives_match_finite_differences(mode, p):
         np.testing.assert_allclose(jvp, fd, rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("value, n", [(3e37, 100), (1e37, 300), (2.0**-70, 64)])
+@pytest.mark.parametrize(
+    "value, n",
+    [
+        (3e37, 100),
+        pytest.param(1e37, 300, marks=pytest.mark.slow),
+        pytest.param(2.0**-70, 64, marks=pytest.mark.slow),
+    ],
+)
 def test_norm_gradient_at_norms_beyond_2_pow_126(value, n):
     """d||x||/dx = x / ||x|| where the norm is a normal number above 2**126 (XLA:CPU divides
     by a broadcast scalar through its reciprocal, which is 0 there) or tiny."""
@@ -125,12 +132,19 @@ def test_norm_gradient_at_norms_beyond_2_pow_126(value, n):
     np.testing.assert_allclose(ref.f64(jax.jit(jax.grad(row_norms))(x2)), rows, rtol=2e-6)
 
 
-def test_second_derivatives_match_the_formulas():
+@pytest.mark.parametrize(
+    "ps, modes",
+    [
+        pytest.param((2.0,), ("global",), id="quick"),
+        pytest.param((3.0,), ("norm",), id="more", marks=pytest.mark.slow),
+    ],
+)
+def test_second_derivatives_match_the_formulas(ps, modes):
     """Hessians through the norm and the clipping (the norm is not a constant in its own
     derivative): H||x||_p = (p-1)/n (diag r^(p-2) - r^(p-1) r^(p-1)^T), r = |x|/n, and for
     f = c w.x / n: c (3 (w.x) x x^T / n^5 - (w x^T + x w^T + (w.x) I) / n^3)."""
     x, w = np.array([3.0, 4.0]), np.array([1.0, -2.0])
-    for p in (2.0, 3.0):
+    for p in ps:
         n = np.sum(np.abs(x) ** p) ** (1 / p)
         r = np.abs(x) / n
         want = (p - 1) / n * (np.diag(r ** (p - 2)) - np.outer(r ** (p - 1), r ** (p - 1)))
@@ -139,12 +153,19 @@ def test_second_derivatives_match_the_formulas():
     c, n, wx = 1.0, 5.0, w @ x
     want = c * (3 * wx * np.outer(x, x) / n**5 - (np.outer(w, x) + np.outer(x, w)) / n**3)
     want -= c * wx * np.eye(2) / n**3
-    for mode in ("global", "norm"):
+    for mode in modes:
         loss = lambda g, m=mode: jnp.sum(_jitted(m, 2.0, c).__wrapped__(g)[0] * w)  # noqa: E731
         np.testing.assert_allclose(jax.hessian(loss)(jnp.asarray(x)), want, rtol=2e-6, atol=1e-7)
 
 
-def test_derivatives_where_the_float32_norm_overflows():
+@pytest.mark.parametrize(
+    "modes",
+    [
+        pytest.param(("global",), id="quick"),
+        pytest.param(("norm", "rows"), id="more", marks=pytest.mark.slow),
+    ],
+)
+def test_derivatives_where_the_float32_norm_overflows(modes):
     """Four values of 3e38 (norm 6e38): the Jacobian of the clipped update is
     (c/n)(I - x x^T/n^2) in forward and reverse mode, and d||x||/dx = x/n, although the
     chain rule through the factor would form sum(x) (inf) and dn/n (subnormal)."""
@@ -157,7 +178,8 @@ def test_derivatives_where_the_float32_norm_overflows():
         "norm": lambda g: jaxclip.clip_tree_by_norm(g, c)[0],
         "rows": lambda g: jaxclip.clip_tree_by_norm(g[None], c, axes=1)[0][0],
     }
-    for name, f in fns.items():
+    for name in modes:
+        f = fns[name]
         for jac in (jax.jacrev, jax.jacfwd):
             np.testing.assert_allclose(ref.f64(jac(f)(x)), want, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(ref.f64(jax.grad(jaxclip.global_norm)(x)), x64 / n, rtol=1e-6)
@@ -165,21 +187,25 @@ def test_derivatives_where_the_float32_norm_overflows():
     np.testing.assert_allclose(float(tangent), np.sum(x64) / n, rtol=1e-6)
 
 
-def test_gradient_through_an_infinite_threshold_is_the_identity():
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: jaxclip.clip_by_global_norm(jnp.inf), id="global"),
+        # no history yet: the threshold is inf
+        pytest.param(lambda: jaxclip.quantile_clip(global_threshold=True), id="quantile"),
+        pytest.param(lambda: jaxclip.clip_by_norm(jnp.inf), id="norm", marks=pytest.mark.slow),
+        pytest.param(jaxclip.standard_clip, id="standard", marks=pytest.mark.slow),
+    ],
+)
+def test_gradient_through_an_infinite_threshold_is_the_identity(make):
     """An infinite clip norm keeps every update: the gradient is exactly 1 (f0 = inf,
     f1 = 0 never meet in the transpose)."""
-    g = jnp.array([1.0, 2.0, 2.0])
-    for tx in (
-        jaxclip.clip_by_global_norm(jnp.inf),
-        jaxclip.clip_by_norm(jnp.inf),
-        jaxclip.quantile_clip(global_threshold=True),  # no history yet: threshold inf
-        jaxclip.standard_clip(),
-    ):
-        grad = jax.grad(lambda u, tx=tx: jnp.sum(tx.update(u, tx.init(u))[0]))(g)
-        np.testing.assert_array_equal(grad, np.ones(3))
+    g, tx = jnp.array([1.0, 2.0, 2.0]), make()
+    grad = jax.grad(lambda u: jnp.sum(tx.update(u, tx.init(u))[0]))(g)
+    np.testing.assert_array_equal(grad, np.ones(3))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_inf_norm_keeps_nan_in_large_leaves(dtype):
     """XLA:CPU's library max of 4096 or more values loses a NaN (-inf, or a wrong max);
     p = inf must still return NaN, and the right maximum without one."""
@@ -198,13 +224,13 @@ def test_inf_norm_keeps_nan_in_large_leaves(dtype):
 
 
 @pytest.mark.parametrize(
-    "ps",
+    "sizes, ps",
     [
-        pytest.param((127.0, 1e30, 0.05), id="quick"),
-        pytest.param((100.0, 1000.0, 1e6, 0.2), id="more", marks=pytest.mark.slow),
+        pytest.param((64,), (127.0, 0.05), id="quick"),
+        pytest.param((2, 5000), (100.0, 1000.0, 1e6, 1e30, 0.2), id="more", marks=pytest.mark.slow),
     ],
 )
-def test_extreme_norm_types(ps):
+def test_extreme_norm_types(sizes, ps):
     """p far above 64 (where the largest scaled term, in [0.5, 1)^p, would underflow) and
     p far below 1 (f**(1/p) would): ||x||_p = m (sum (|x|/m)^p)^(1/p) in float64, inf
     where it exceeds float32; the update is clipped by it."""
@@ -217,7 +243,7 @@ def test_extreme_norm_types(ps):
         ),
         static_argnums=1,
     )
-    for x in (np.array([3.0, 4.0]), 1e-20 * rng.normal(size=5000)):
+    for x in (1e-20 * rng.normal(size=n) if n > 2 else np.array([3.0, 4.0]) for n in sizes):
         g = jnp.asarray(x, jnp.float32)
         a = np.abs(ref.f64(g))
         m = a.max()
