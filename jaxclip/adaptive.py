@@ -725,7 +725,10 @@ def skip_large_updates(
     by applying, rather than raising, is apply_if_finite's choice and works inside
     ``jit`` without a host callback; watch ``consecutive`` in the state to stop a run
     instead. ``None`` (the default) skips for ever. With ``threshold=inf`` the updates,
-    the inner state and the counts equal ``optax.apply_if_finite``'s step for step.
+    the inner state and ``consecutive`` equal ``optax.apply_if_finite``'s (its
+    ``notfinite_count``) step for step; ``skipped`` counts the steps actually skipped,
+    where apply_if_finite's ``total_notfinite`` also counts bad steps applied past
+    ``max_consecutive_errors``.
 
     Args:
       inner: the transformation to wrap (e.g. ``optax.adamw(1e-3)``).
