@@ -1033,8 +1033,20 @@ def _concatenate(parts: Sequence[Array]) -> Array:
     run a bfloat16 concatenation in float32, a widened copy of every part."""
     if parts[0].dtype != jnp.bfloat16:
         return jnp.concatenate(parts)
+    return _concatenate_words(tuple(parts))
+
+
+@jax.custom_jvp
+def _concatenate_words(parts: tuple[Array, ...]) -> Array:
     words = jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint16) for x in parts])
     return lax.bitcast_convert_type(words, jnp.bfloat16)
+
+
+@_concatenate_words.defjvp
+def _concatenate_words_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
+    # The words carry no derivative: the tangents are concatenated as numbers.
+    (parts,), (dparts,) = primals, tangents
+    return _concatenate_words(parts), jnp.concatenate(dparts)
 
 
 def _units(

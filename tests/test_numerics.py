@@ -259,6 +259,18 @@ def test_extreme_norm_types(sizes, ps):
     assert float(jaxclip.global_norm(jnp.array([3.0, 4.0]), 0.001)) == math.inf  # 3.7e301
 
 
+def test_derivatives_through_bfloat16_buckets():
+    """Small bfloat16 leaves are concatenated as 16-bit words; the derivative still flows:
+    d||x||/dx = x/n, and the per-leaf clip's Jacobian is (c/n)(I - x x^T/n^2)."""
+    x = jnp.asarray([3.0, 4.0, 0.0, 12.0], jnp.bfloat16)
+    grad = jax.grad(lambda v: jaxclip.global_norm([v[:2], v[2:]]).astype(jnp.float32))(x)
+    np.testing.assert_allclose(ref.f64(grad), [3 / 13, 4 / 13, 0, 12 / 13], rtol=2**-8)
+    v, v64 = x[:2], np.array([3.0, 4.0])
+    clip = lambda g: jaxclip.clip_tree_by_norm([g], 1.0)[0][0].astype(jnp.float32)  # noqa: E731
+    want = 0.2 * (np.eye(2) - np.outer(v64, v64) / 25)
+    np.testing.assert_allclose(ref.f64(jax.jacrev(clip)(v)), want, rtol=2**-7, atol=1e-3)
+
+
 def test_nonfinite_propagates_as_in_pytorch():
     g = [jnp.array([1.0, jnp.inf]), jnp.array([2.0])]
     out, n = jaxclip.clip_tree_by_global_norm(g, 1.0)
