@@ -208,6 +208,7 @@ def _arrays(
     noise when ``key`` is given; the unselected ``rest`` summed unclipped."""
     norms, fractions = [], []
     scales: list[Any] = [None] * len(xs)
+    parts: list[Any] = [None] * len(xs)
     for group in members:
         if group:
             n = _norms.per_example_norm_parts(
@@ -221,18 +222,19 @@ def _arrays(
         scale = _norms.clip_scale(n, clip_norm)
         # Everything read from the norm is computed before the contractions, so that only
         # the factors stay live while they run.
-        scale, value, fraction = lax.optimization_barrier(
-            (scale, n.value, jnp.mean(~scale.keep, dtype=jnp.float32))
+        scale, value, fraction, n = lax.optimization_barrier(
+            (scale, n.value, jnp.mean(~scale.keep, dtype=jnp.float32), n)
         )
         norms.append(value)
         fractions.append(fraction)
         for i in group:
-            scales[i] = scale
+            scales[i], parts[i] = scale, n
     if reduce is None:
         outs = []
-        for x, s in zip(xs, scales):
+        for x, s, n in zip(xs, scales, parts):
             kept = (x.shape[0],) + (1,) * (x.ndim - 1)
-            outs.append(_norms.apply_scale(x, _norms.Scale(*(v.reshape(kept) for v in s))))
+            s, n = (type(v)(*(f.reshape(kept) for f in v)) for v in (s, n))
+            outs.append(_norms.clip_apply(x, s, n, clip_norm))
         return outs, list(rest), norms, fractions
     keys = [None] * len(xs) if key is None else list(jax.random.split(key, len(xs)))
     outs = []

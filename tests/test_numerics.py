@@ -162,7 +162,7 @@ def test_second_derivatives_match_the_formulas(ps, modes):
     "modes",
     [
         pytest.param(("global",), id="quick"),
-        pytest.param(("norm", "rows"), id="more", marks=pytest.mark.slow),
+        pytest.param(("norm", "rows", "example"), id="more", marks=pytest.mark.slow),
     ],
 )
 def test_derivatives_where_the_float32_norm_overflows(modes):
@@ -177,6 +177,7 @@ def test_derivatives_where_the_float32_norm_overflows(modes):
         "global": lambda g: jaxclip.clip_tree_by_global_norm(g, c)[0],
         "norm": lambda g: jaxclip.clip_tree_by_norm(g, c)[0],
         "rows": lambda g: jaxclip.clip_tree_by_norm(g[None], c, axes=1)[0][0],
+        "example": lambda g: jaxclip.clip_tree_per_example(g[None], c, reduce=None)[0][0],
     }
     for name in modes:
         f = fns[name]
