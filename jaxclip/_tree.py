@@ -225,6 +225,19 @@ def _is_bool(m: Any) -> bool:
     )
 
 
+def call_rule(fn: Callable[[str, Any], Any], name: str, path: str, leaf: Any) -> Any:
+    """``fn(path, leaf)`` for a user's ``need_clip`` or ``group`` rule; an exception it
+    raises gets a note naming the leaf and how the rule is called."""
+    try:
+        return fn(path, leaf)
+    except Exception as e:
+        e.add_note(
+            f"jaxclip: raised by {name}({path!r}, leaf); {name} is called as "
+            f"{name}(path, leaf) for every leaf, path a '/'-joined str."
+        )
+        raise
+
+
 def as_function(rule: Any) -> Any:
     """A ``need_clip`` or ``group`` rule as a plain function ``(path, leaf) -> value``
     (a :class:`~jaxclip.Selector` unwrapped; anything else as given)."""
@@ -286,7 +299,7 @@ def select(
     elif is_selector_function(need_clip):
         wanted, fn = [], as_function(need_clip)
         for x, p in zip(leaves, paths):
-            w = fn(p, x)
+            w = call_rule(fn, "need_clip", p, x)
             if not isinstance(w, (bool, np.bool_)):
                 raise TypeError(
                     f"jaxclip: need_clip({p!r}, leaf) returned {w!r} of type "

@@ -274,7 +274,9 @@ def _group_labels(
 ) -> tuple[list[Hashable], list[Hashable]]:
     """The distinct labels (first-seen order) and the label of each selected leaf."""
     label_of = _tree.as_function(group)
-    per_leaf = [label_of(path, x) for path, x in zip(sel.chosen_paths, sel.chosen)]
+    per_leaf = [
+        _tree.call_rule(label_of, "group", path, x) for path, x in zip(sel.chosen_paths, sel.chosen)
+    ]
     for path, label in zip(sel.chosen_paths, per_leaf):
         if label is None:
             raise TypeError(

@@ -140,3 +140,10 @@ def test_error_if_nonfinite_is_one_exception_eager_jit_and_chain(mode):
             assert str(info.value).startswith(message)
         else:  # JAX wraps what a host callback raises; the jaxclip type is named in it
             assert f"NonFiniteNormError: {message}" in str(info.value)
+
+
+def test_a_failing_need_clip_rule_names_the_leaf():
+    tree = {"enc": {"w": jnp.ones(2)}}
+    with pytest.raises(TypeError) as info:
+        jaxclip.clip_tree_by_global_norm(tree, 1.0, need_clip=lambda path: True)
+    assert "raised by need_clip('enc/w', leaf)" in "".join(info.value.__notes__)
