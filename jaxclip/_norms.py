@@ -352,23 +352,24 @@ def _power_sum(x: Array, p: float, axes: Axes, native: bool) -> Array:
 POWER_OF_TWO_MAX_P = 64.0
 
 
-def _scale_of(m: Array, p: float) -> tuple[Array, Array]:
+def _scale_of(m: Array, p: float) -> tuple[Array, Array | None]:
     """For the rare path of a p-norm of largest magnitude ``m`` (per slice): ``e``, the
     exponent of ``m``, and ``mant``: the terms are ``(|x| 2**-e / mant)^p``, so that the
-    largest is 1 (``mant`` is 1 up to :data:`POWER_OF_TWO_MAX_P`, else m's mantissa, at
-    the cost of one rounding per term) and the norm is ``mant t**(1/p) 2**e``."""
+    largest is 1 (``mant`` is None, i.e. 1, up to :data:`POWER_OF_TWO_MAX_P`, else m's
+    mantissa, at the cost of one rounding per term) and the norm is
+    ``mant t**(1/p) 2**e``."""
     e = frexp(m)[1]
     if p <= POWER_OF_TWO_MAX_P:
-        return e, jnp.ones_like(m)
+        return e, None
     good = (m > 0) & jnp.isfinite(m)
     return e, jnp.where(good, ldexp(m, -e), 1)
 
 
-def _factors(e: Array, mant: Array, p: float, dtype: Any) -> tuple[Array, Array]:
+def _factors(e: Array, mant: Array | None, dtype: Any) -> tuple[Array, Array]:
     """``2**-e / mant`` as two normal factors in ``dtype`` (see :func:`_scale_of`)."""
     half = jnp.floor(-e / 2)
     rest = _pow2(-e - half, dtype)
-    return _pow2(half, dtype), rest if p <= POWER_OF_TWO_MAX_P else rest / mant.astype(dtype)
+    return _pow2(half, dtype), rest if mant is None else rest / mant.astype(dtype)
 
 
 def _scaled_parts(
@@ -382,7 +383,7 @@ def _scaled_parts(
     acc = acc_dtype(x.dtype)
     e, mant = _scale_of(m, p)
     good = (m > 0) & jnp.isfinite(m)
-    factors = _factors(e, mant, p, acc)
+    factors = _factors(e, mant, acc)
     x, factors = lax.optimization_barrier((x, factors))  # no materialised broadcast
     t = _psum(_reduce(x, _scaled_elem(p, acc), axes, "sum", native, factors), combine)
     return jnp.where(good, e, -jnp.inf), t
@@ -644,12 +645,7 @@ def _tangent(x: Array, dx: Array, norm: Norm, p: float, axes: Axes) -> Array:
     else:
         d = (jnp.sign(x).astype(acc) * dx.astype(acc)).astype(acc)
     dims = tuple(range(x.ndim)) if axes is None else axes
-    # |x| / n <= 1, divided by n's mantissa only: XLA:CPU divides by a broadcast scalar
-    # as a product with its reciprocal, which is 0 for a divisor above 2**126.
-    # The mantissa by ldexp, not frexp's bits: second derivatives flow through it.
-    safe = jnp.where(norm.frac > 0, norm.frac, 1)
-    k = frexp(lax.stop_gradient(safe))[1]
-    ratio = ldexp(a, -(norm.exp + k)) / ldexp(safe, -k)
+    ratio = _over_norm(a, norm)  # |x| / n <= 1
     if p == math.inf:
         top = a == norm.value
         w = top.astype(acc) / jnp.maximum(jnp.sum(top, axis=dims, keepdims=True), 1).astype(acc)
@@ -659,6 +655,16 @@ def _tangent(x: Array, dx: Array, norm: Norm, p: float, axes: Axes) -> Array:
         pos = ratio > 0
         w = jnp.where(pos, jnp.power(jnp.where(pos, ratio, 1), p - 1), 0)
     return jnp.sum(w * d, axis=dims, keepdims=True)
+
+
+def _over_norm(v: Array, norm: Norm) -> Array:
+    """``v / n`` (1 in place of a zero norm), divided by the norm's mantissa only: XLA:CPU
+    divides by a broadcast scalar as a product with its reciprocal, which is 0 for a
+    divisor above 2**126. The mantissa comes from ``ldexp``, not ``frexp``'s bits, so
+    that second derivatives flow through it."""
+    safe = jnp.where(norm.frac > 0, norm.frac, 1)
+    k = frexp(lax.stop_gradient(safe))[1]
+    return ldexp(v, -(norm.exp + k)) / ldexp(safe, -k)
 
 
 def _dnorm(norm: Norm, dn: Array) -> tuple[Array, Array]:
@@ -791,12 +797,14 @@ def clip_slices(
 
     def factors(frac: Array, exp: Array) -> tuple[Array, ...]:
         n = Norm(frac, exp)
-        return (n.value, *clip_scale(n, clip_norm), frac, exp)  # the norm for derivatives
+        return (n.value, *clip_scale(n, clip_norm))
 
     per_unit = stacked(factors, [n.frac for n in norms], [n.exp for n in norms])
+    leaf_norms = _per_leaf(leaves, norms, where)  # read only by the derivative rule
     out, values = [], []
-    for x, a, (value, *rest) in zip(leaves, axes, _per_leaf(leaves, per_unit, where)):
-        out.append(clip_apply(x, Scale(*rest[:3]), Norm(*rest[3:]), clip_norm))
+    per_leaf = zip(leaves, axes, _per_leaf(leaves, per_unit, where), leaf_norms)
+    for x, a, (value, *scale), n in per_leaf:
+        out.append(clip_apply(x, Scale(*scale), n, clip_norm))
         values.append(value.reshape(()) if a is None else jnp.squeeze(value, axis=a))
     return out, values
 
@@ -900,7 +908,7 @@ def _unit_norms_body(
         if p == 2.0:  # (m, e, t) are the three accumulators
             n = _blue_norm(m, e, t)
         else:
-            mant = _scale_of(m, p)[1] if p > POWER_OF_TWO_MAX_P else None
+            mant = _scale_of(m, p)[1]
             n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0), mant))
         return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
 
@@ -1208,7 +1216,7 @@ def _global_norm_body(
         m = _max_over(ms, combines, acc, shape)
         e, mant = _scale_of(m, p)
         # 2**-e per accumulation dtype (clamped: parts out of its range are negligible).
-        factors = {d: _factors(e, mant, p, d) for d in {acc_dtype(u.dtype) for u in units}}
+        factors = {d: _factors(e, mant, d) for d in {acc_dtype(u.dtype) for u in units}}
         # A second, separately fused read; the factors pass the barrier too, else XLA:CPU
         # materialises their broadcast to the leaves' shape.
         again, per_unit = _barrier(units, factors)
@@ -1217,9 +1225,8 @@ def _global_norm_body(
             ua = acc_dtype(u.dtype)
             f = tuple(keep(v, u) for v in fs[ua])
             ts.append(_reduce(u, _scaled_elem(p, ua), a, "sum", nat, f))
-        big = p > POWER_OF_TWO_MAX_P
         t = _sum_over(ts, combines, acc, shape)
-        return keep_fast(_special(m, _root_norm(t, p, e, mant if big else None)))
+        return keep_fast(_special(m, _root_norm(t, p, e, mant)))
 
     def keep_fast(n: Norm) -> Norm:
         if not shape:
@@ -1328,9 +1335,7 @@ def _clipped_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
     # unscaled): the chain rule through the factor would form sum(x * ct), which
     # overflows for large x, and dn/n, which underflows. Where x is kept the factors are
     # replaced by 1, so that no inf * 0 reaches the transpose (c = inf: f0 = inf, f1 = 0).
-    safe = jnp.where(frac > 0, frac, 1)
-    k = frexp(lax.stop_gradient(safe))[1]
-    x_n = ldexp(wide(x), -(exp + k)) / ldexp(safe, -k)  # by the mantissa: see _tangent
+    x_n = _over_norm(wide(x), Norm(frac, exp))
     f0s, f1s = jnp.where(keep, 1, f0).astype(acc), jnp.where(keep, 1, f1).astype(acc)
     dn = jnp.where(keep, 0, ldexp(dfrac, exp))
     dcs = jnp.where(keep | (c < 0), 0, dc)
