@@ -415,10 +415,16 @@ def _run_core(
     _collect(checks)
 
 
+#: Norm types whose cases run in the slow step only (suite budget): p=3 and p=1.5 cover
+#: integer and fractional p > 2 in the default run.
+SLOW_PS = (7.5, 9.0)
+
+
 def _core_cases():
     for name, p in CORE:
+        marks = [pytest.mark.slow] if p in SLOW_PS else []
         for label, m in _magnitudes(name):
-            yield pytest.param(name, p, m, id=f"{name}-p{p:g}-{label}")
+            yield pytest.param(name, p, m, id=f"{name}-p{p:g}-{label}", marks=marks)
 
 
 @pytest.mark.parametrize("name, p, m", list(_core_cases()))
