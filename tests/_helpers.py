@@ -9,6 +9,14 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+import pytest
+
+#: For tests of XLA:CPU's kernels and buffers (HLO kernel counts, ``memory_analysis()``):
+#: GPU and TPU compile to other kernels, and jaxclip takes another strategy there (see
+#: ``jaxclip/_norms.py``); their figures are in ``benchmarks/last_run.md``.
+xla_cpu_only = pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="a mechanism of XLA:CPU's compiled program"
+)
 
 
 @functools.cache

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import xla_cpu_only
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -28,6 +29,8 @@ def test_thousand_leaf_global_norm_lowers_to_a_handful_of_reductions():
     assert ours <= 4, ours
 
 
+@pytest.mark.slow  # 10 s: the default step's budget
+@xla_cpu_only
 def test_thousand_leaf_clip_by_norm_buckets_its_reductions():
     tree = {f"p{i:04d}": jnp.ones((10 + i % 7,)) for i in range(1000)}
     # One bucket: its sum, the all() over its in-range flags and the all() over units; on
@@ -43,6 +46,7 @@ def _kernel_sizes(fn, tree, shape: str) -> list[int]:
     return [b.count("\n") for b in blocks if f") -> {shape} {{" in b.split("\n")[0]]
 
 
+@xla_cpu_only
 @pytest.mark.parametrize("mode", ["global", "norm"])
 def test_scaling_kernels_do_not_recompute_the_factor(mode):
     # XLA copies cheap scalar producers into every consumer: if the factor's maths (~90
@@ -59,6 +63,7 @@ def test_scaling_kernels_do_not_recompute_the_factor(mode):
     assert max(sizes) <= 24, sizes
 
 
+@xla_cpu_only
 def test_large_leaves_are_not_bucketed():
     big = jnp.ones((_norms.BUCKET_MAX_BYTES // 4 + 1,))
     text = jax.jit(lambda g: jaxclip.global_norm(g)).lower([big, big]).as_text()
@@ -89,6 +94,7 @@ def test_sharded_small_leaves_are_not_bucketed():
     assert text.count("stablehlo.reduce") == 4 * 3 + 2
 
 
+@xla_cpu_only
 @pytest.mark.parametrize(
     "dtype",  # float16 takes bfloat16's path (suite margin: it runs in the slow step)
     [jnp.float32, jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)],

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from _helpers import xla_cpu_only
 
 import jaxclip
 
@@ -255,7 +256,8 @@ def test_extreme_norm_types(sizes, ps):
             for got in f(g, p):
                 np.testing.assert_allclose(ref.f64(got), want, rtol=rtol, err_msg=f"p={p}")
     out, norm = jaxclip.clip_tree_by_global_norm(jnp.array([3.0, 4.0]), 1.0, norm_type=127.0)
-    assert float(norm) == 4.0
+    # 4 (1 + 0.75**127)**(1/127) rounds to 4.0; XLA:GPU's exp2 and log2 may be an ulp off.
+    np.testing.assert_allclose(float(norm), 4.0, rtol=0 if jax.default_backend() == "cpu" else 3e-7)
     np.testing.assert_allclose(out, [0.75, 1.0], rtol=1e-6)
     assert float(jaxclip.global_norm(jnp.array([3.0, 4.0]), 0.001)) == math.inf  # 3.7e301
 
@@ -312,6 +314,7 @@ def test_complex_leaves_use_modulus():
     assert out[0].dtype == jnp.complex64
 
 
+@xla_cpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("mode", ["global", "norm", "norm_axes", "global_inf", "global_p3"])
 def test_no_upcast_copy_in_temporaries(mode, dtype):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import xla_cpu_only
 
 import jaxclip
 
@@ -273,6 +274,7 @@ def test_errors_name_the_leaf():
         tx.update(g, tx.init(params))
 
 
+@xla_cpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_no_per_example_copy_and_temp_within_optax(dtype):
     """The sum contracts the per-example factors with each leaf: XLA's temp holds no

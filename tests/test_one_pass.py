@@ -1,0 +1,121 @@
+"""The single-pass 2-norm (the GPU/TPU strategy, ``_norms.ONE_PASS``) run here on CPU.
+
+On GPU and TPU, 2-norms are Blue's three accumulators in one variadic reduce with no
+``lax.cond``; on CPU the plain sum of squares with a rare path (see ``jaxclip/_norms.py``).
+CI has no accelerator, so this module forces the single pass and runs the p=2 cases of
+the differential harness (float64 references, every dtype over its whole range,
+non-finite values, mixed trees, derivatives, vmap, 8 devices) through it, and checks the
+mechanism: no conditional, one read of each leaf.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_differential as d
+
+import jaxclip
+from jaxclip import _norms
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_pass():
+    """Traces in this module take the single pass; caches are cleared on the way in and
+    out, so no function traced with the other strategy is reused (here or elsewhere)."""
+    _norms.ONE_PASS = True
+    jax.clear_caches()
+    yield
+    _norms.ONE_PASS = None
+    jax.clear_caches()
+
+
+#: The dtypes whose cases run in the default step; the others run in the slow step.
+QUICK = ("float32", "bfloat16", "float16")
+
+
+def _p2(cases, at: int = 1):
+    """The p=2 cases; those of dtypes outside :data:`QUICK` marked slow (suite budget)."""
+    out = []
+    for c in cases:
+        if c.values[at] != 2.0:
+            continue
+        if at == 1 and c.values[0] not in QUICK:
+            c = pytest.param(*c.values, id=c.id, marks=[*c.marks, pytest.mark.slow])
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("name, p, m", _p2(d._core_cases()))
+def test_core_sweep(name, p, m):
+    d.test_modes_match_float64_over_dtypes_and_magnitudes(name, p, m)
+
+
+@pytest.mark.parametrize("name, p, bad, where", _p2(d._nonfinite_cases()))
+def test_nonfinite(name, p, bad, where):
+    d.test_nonfinite_propagates_for_every_norm_type(name, p, bad, where)
+
+
+@pytest.mark.parametrize("mix", list(d.MIXES))
+def test_mixed_trees(mix):
+    d.test_mixed_trees_spanning_the_range(mix)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(d.X64_CASES))
+def test_mixed_float32_float64_tree(case):
+    d.test_mixed_float32_float64_tree(case)
+
+
+@pytest.mark.slow
+def test_leaf_sizes_1_to_1e6():
+    d.test_leaf_sizes_1_to_1e6()
+
+
+@pytest.mark.parametrize("p, s", _p2(d._deriv_cases(), at=0))
+def test_derivatives(p, s):
+    d.test_derivatives_match_float64(p, s)
+
+
+def test_vmap_over_batched_leaves():
+    d.test_vmap_over_batched_leaves()
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_sharded_over_8_devices():
+    d.test_sharded_over_8_devices(2.0)
+
+
+@pytest.mark.slow
+def test_large_leaf_at_1e20():
+    """3e6 float32 elements of 1e20 (every square overflows), and bfloat16 of 1e-25
+    (every square underflows): one pass gets both exactly."""
+    for value, dtype in ((1e20, jnp.float32), (1e-25, jnp.bfloat16)):
+        x = jnp.full(3_000_000, value, dtype)
+        v = float(np.asarray(value, np.float64).astype(dtype))
+        want = np.sqrt(3e6) * v
+        np.testing.assert_allclose(float(jaxclip.global_norm(x)), want, rtol=1e-6)
+        norm = jaxclip.clip_tree_by_norm(x, 1.0)[1]
+        np.testing.assert_allclose(float(norm), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["global", "norm", "norm_axes"])
+def test_no_conditional(mode):
+    """No ``lax.cond``: each leaf is read by one reduction (how many kernels that is
+    depends on the backend: XLA:CPU's reduce runs in blocks, see ``_norms._reduce``)."""
+    tree = {f"w{i}": jnp.ones((64, 300 + i)) for i in range(3)}  # above the bucket size
+    fn = {
+        "global": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0)[0],
+        "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0)[0],
+        "norm_axes": lambda g: jaxclip.clip_tree_by_norm(g, 1.0, axes=1)[0],
+    }[mode]
+    assert "conditional(" not in jax.jit(fn).lower(tree).compile().as_text()
+
+
+def test_per_example_norms_keep_the_two_paths():
+    """Per-example rows (``lead``) keep the plain sum and its rare path (measured faster,
+    with fewer temporaries, on an H100)."""
+    g = {"w": jnp.ones((8, 40, 30))}
+    hlo = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0)[0]).lower(g).compile().as_text()
+    assert "conditional(" in hlo
