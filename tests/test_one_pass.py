@@ -100,22 +100,33 @@ def test_large_leaf_at_1e20():
         np.testing.assert_allclose(float(norm), want, rtol=1e-6)
 
 
+def _has_cond(fn, tree) -> bool:
+    """Whether ``fn``'s traced program holds a ``lax.cond`` (the strategy is chosen while
+    tracing; compiled HLO would not tell: on an H100, XLA:GPU's optimized HLO held no
+    conditional at all)."""
+    return "cond[" in str(jax.make_jaxpr(fn)(tree))
+
+
 @pytest.mark.parametrize("mode", ["global", "norm", "norm_axes"])
 def test_no_conditional(mode):
-    """No ``lax.cond``: each leaf is read by one reduction (how many kernels that is
-    depends on the backend: XLA:CPU's reduce runs in blocks, see ``_norms._reduce``)."""
-    tree = {f"w{i}": jnp.ones((64, 300 + i)) for i in range(3)}  # above the bucket size
+    tree = {f"w{i}": jnp.ones((64, 300 + i)) for i in range(3)}
     fn = {
         "global": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0)[0],
         "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0)[0],
         "norm_axes": lambda g: jaxclip.clip_tree_by_norm(g, 1.0, axes=1)[0],
     }[mode]
-    assert "conditional(" not in jax.jit(fn).lower(tree).compile().as_text()
+    assert not _has_cond(fn, tree)
+    _norms.ONE_PASS = False
+    try:  # the test itself can fail: the CPU strategy has the cond
+        jax.clear_caches()
+        assert _has_cond(fn, tree)
+    finally:
+        _norms.ONE_PASS = True
+        jax.clear_caches()
 
 
 def test_per_example_norms_keep_the_two_paths():
-    """Per-example rows (``lead``) keep the plain sum and its rare path (measured faster,
-    with fewer temporaries, on an H100)."""
+    """Per-example rows (``lead``) keep the plain sum and its rare path: on an H100 the
+    single pass ran no faster there and held 6-25x the temporaries."""
     g = {"w": jnp.ones((8, 40, 30))}
-    hlo = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0)[0]).lower(g).compile().as_text()
-    assert "conditional(" in hlo
+    assert _has_cond(lambda t: jaxclip.clip_tree_per_example(t, 1.0)[0], g)
