@@ -72,11 +72,13 @@ def _collectives_are_small(hlo: str, max_elems: int) -> None:
 
 def _jit_cases() -> list:
     """Every mode on Auto and Explicit axes; the default run keeps Auto for all but
-    global_p1 and value, and Explicit for global_p2 (the rest run in the slow step)."""
+    global_p1, value and norm_axes0, and Explicit for global_p2 (the rest run in the slow
+    step)."""
     cases = []
     for kind, kind_id in ((AxisType.Auto, "auto"), (AxisType.Explicit, "explicit")):
         for m in MODES:
-            slow = m in ("global_p1", "value") or (kind_id == "explicit" and m != "global_p2")
+            slow = m in ("global_p1", "value", "norm_axes0")
+            slow |= kind_id == "explicit" and m != "global_p2"
             marks = [pytest.mark.slow] if slow else []
             cases.append(pytest.param(m, kind, marks=marks, id=f"{m}-{kind_id}"))
     return cases

@@ -19,6 +19,7 @@ def _reduce_count(fn, tree) -> int:
     return jax.jit(fn).lower(tree).as_text().count("stablehlo.reduce")
 
 
+@pytest.mark.slow  # 7 s: the default step's budget
 def test_thousand_leaf_global_norm_lowers_to_a_handful_of_reductions():
     tree = {f"p{i:04d}": jnp.ones((10,)) for i in range(1000)}
     ours = _reduce_count(lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0), tree)

@@ -32,7 +32,7 @@ def one_pass():
 
 
 #: The dtypes whose cases run in the default step; the others run in the slow step.
-QUICK = ("float32", "bfloat16", "float16")
+QUICK = ("float32", "bfloat16")
 
 
 def _p2(cases, at: int = 1):

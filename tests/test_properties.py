@@ -96,6 +96,7 @@ def test_clip_by_norm_rows_match_float64_and_keep_direction(case):
     assert np.all(np.abs(xo) <= np.abs(xi))
 
 
+@pytest.mark.slow  # 6 s: the default step's budget
 @given(trees())
 def test_clipping_twice_equals_once(case):
     leaves, p, ratio, dtype = case

@@ -117,6 +117,7 @@ SINGLE = {
 
 # The default run keeps one mode of each kind; the rest run in the slow CI step.
 SLOW_MODES = {
+    "norm_axes0",  # sharded axes=0 slices: test_clip_by_norm_axes_over_a_sharded_axis_is_per_slice
     "skip",
     "global_p0.5",
     "norm_inf",
