@@ -40,8 +40,10 @@ an optimisation barrier (:func:`_reduction_view`), f16/f8 leaves, 16-bit buckets
 rare path use a reduce XLA fuses itself (:func:`_reduce`), and bf16 buckets are
 concatenated as 16-bit words (:func:`_concatenate`). XLA's own fused reduce accumulates
 sequentially, so it runs over chunks of :data:`BLOCK` elements whose results are summed
-by the library reduction: the rounding error stays that of a ``BLOCK``-term sum.
-On GPU/TPU these measures cost nothing.
+by the library reduction: the rounding error stays that of a ``BLOCK``-term sum. The
+single pass reduces whole arrays at once on other platforms (XLA:GPU reduces in a tree),
+chosen when lowering (``lax.platform_dependent``), so that a GPU host computing on its
+CPU still runs the blocks. On GPU/TPU these measures cost nothing.
 
 Where the backend flushes subnormals (XLA:CPU does), subnormal inputs count as zero in
 every norm; they are still returned bit for bit when nothing is clipped.
@@ -76,7 +78,12 @@ BLOCK = 256
 #: GPU/TPU, the plain sum with a rare path on CPU), True or False forces one (also set by
 #: the environment variable ``JAXCLIP_ONE_PASS=1`` or ``0``). Both are exact; a change
 #: takes effect for functions traced afterwards (``jax.clear_caches()``).
-ONE_PASS: bool | None = {"1": True, "0": False}.get(os.environ.get("JAXCLIP_ONE_PASS", ""))
+ONE_PASS: bool | None = None
+_env = os.environ.get("JAXCLIP_ONE_PASS", "")
+if _env not in ("", "0", "1"):
+    raise ValueError(f"JAXCLIP_ONE_PASS must be 1 or 0 (or unset), got {_env!r}")
+if _env:
+    ONE_PASS = _env == "1"
 
 
 def _one_pass() -> bool:
@@ -86,14 +93,10 @@ def _one_pass() -> bool:
     with no conditional each leaf compiles to one reduction kernel. XLA:CPU runs the
     variadic reduce ~2-8x slower than its library sum, so there the plain sum of squares
     runs, and a ``lax.cond`` takes the rare path only when that sum is out of range.
+    The choice follows the default backend at trace time (a GPU host computing on its
+    CPU gets the single pass there: exact, slower); only speed depends on it.
     """
     return jax.default_backend() != "cpu" if ONE_PASS is None else ONE_PASS
-
-
-def _sequential_reduce() -> bool:
-    """Whether XLA's fused reduce accumulates sequentially (XLA:CPU), so that long sums
-    are split into blocks (:func:`_reduce`); XLA:GPU and TPU reduce in a tree."""
-    return jax.default_backend() == "cpu"
 
 
 def acc_dtype(dtype: Any) -> np.dtype:
@@ -313,30 +316,33 @@ def _reduce(
     shape, or None) are per-slice operands reshaped along with it. With ``native``
     the reduction is XLA's fused one: XLA:CPU's library kernels cannot fuse an f16 -> f32
     convert nor a concatenation and would materialise a widened copy. That reduce adds
-    sequentially (up to ~n/2 ulps off on constant data), so a sum over trailing or leading
-    axes runs over chunks of :data:`BLOCK` elements (twice that for 8-bit data) whose
-    results a library reduction adds (pairwise-accurate); the chunk results cost
-    ``8 / BLOCK`` bytes per element. Axes in the middle stay one sequential reduce.
+    sequentially (up to ~n/2 ulps off on constant data: 7e-3 over 2e6 elements), so a sum
+    runs over chunks of :data:`BLOCK` elements (twice that for 8-bit data) of the reduced
+    axes, flattened where adjacent, whose results a library reduction adds
+    (pairwise-accurate); the chunk results cost ``8 / BLOCK`` bytes per element. Reduced
+    axes that are not adjacent are reduced a run at a time, the last first.
     """
-    dims = tuple(range(x.ndim)) if axes is None else axes
+    dims = tuple(range(x.ndim)) if axes is None else tuple(sorted(axes))
     kept = tuple(1 if i in dims else d for i, d in enumerate(x.shape))
     if not native:
         return (jnp.sum if op == "sum" else jnp.max)(elem(x, s), axis=dims, keepdims=True)
     block = BLOCK if x.dtype.itemsize > 1 else 2 * BLOCK  # chunk results <= 2% of the bytes
     n = len(dims)
     length = math.prod(x.shape[d] for d in dims)
-    if op == "max" or length <= block:
+    if op == "max" or length <= block:  # a max is exact in any order
         return _shaped(_fused_reduce(x, elem, s, dims, op), kept)
-    if dims == tuple(range(x.ndim - n, x.ndim)):  # trailing: chunks along the last axis
-        lead = x.shape[: x.ndim - n]
-        flat, at = x.reshape((*lead, length)), len(lead)
-        s = None if s is None else tuple(f.reshape((*lead, 1)) for f in s)
-    elif dims == tuple(range(n)):  # leading (AGC's units, tf's axes=0): along the first
-        rest = x.shape[n:]
-        flat, at = x.reshape((length, *rest)), 0
-        s = None if s is None else tuple(f.reshape((1, *rest)) for f in s)
-    else:  # reduced axes in the middle: one sequential reduce (rare)
-        return _shaped(_fused_reduce(x, elem, s, dims, op), kept)
+    at = dims[0]
+    if dims != tuple(range(at, at + n)):
+        # Not adjacent: the last run of adjacent axes, then the partial sums (in the
+        # accumulation dtype, and smaller) over the other axes by the library reduction.
+        last = next(d for i, d in enumerate(dims) if dims[i:] == tuple(range(d, dims[-1] + 1)))
+        r = _reduce(x, elem, tuple(range(last, dims[-1] + 1)), op, native, s)
+        others = tuple(d for d in dims if d < last)
+        return jax.tree.map(lambda v: jnp.sum(v, axis=others, keepdims=True), r)
+    # Adjacent (trailing, leading, or in the middle): one axis of ``length``, in chunks.
+    flat = x.reshape((*x.shape[:at], length, *x.shape[at + n :]))
+    if s is not None:
+        s = tuple(f.reshape((*f.shape[:at], 1, *f.shape[at + n :])) for f in s)
     chunks = length // block
     shape = (*flat.shape[:at], chunks, block, *flat.shape[at + 1 :])
     main = lax.slice_in_dim(flat, 0, chunks * block, axis=at).reshape(shape)
@@ -461,6 +467,9 @@ def _blue_elem(acc: np.dtype) -> Elem:
     down, up = 2.0**-b.down, 2.0**b.up
 
     def elem(v: Array, _: Any) -> tuple[Array, Array, Array]:
+        if jnp.iscomplexobj(v):  # |z|**2 = re**2 + im**2; |z| itself may overflow
+            re, im = elem(jnp.real(v), None), elem(jnp.imag(v), None)
+            return tuple(a + b for a, b in zip(re, im))  # type: ignore[return-value]
         a = _abs(v, acc)
         hi, lo = a > big, a < small
         # The scale is selected per element, never a constant: XLA would rewrite
@@ -477,15 +486,21 @@ def _blue_sums(
 ) -> tuple[Array, Array, Array]:
     """The big, medium and small accumulators of ``x`` over ``axes`` (keepdims): one
     variadic reduce, or (a sharded ``x``, whose variadic reduce XLA would gather) three
-    library reductions. With ``whole``, on a backend that reduces in a tree, the
-    variadic reduce runs over the whole ``axes`` at once, not in blocks (measured on an
-    H100: blocks cost ~10-20% there; per-example rows keep the blocks, whose temporaries
-    are smaller there)."""
+    library reductions. With ``whole``, on a platform other than CPU (chosen when lowering),
+    the variadic reduce runs over the whole ``axes`` at once, not in blocks: XLA:GPU
+    reduces in a tree. Per-example rows keep the blocks (their temporaries on an H100 were
+    110 KB blocked against 662 KB whole)."""
     elem = _blue_elem(acc_dtype(x.dtype))
     dims = tuple(range(x.ndim)) if axes is None else axes
-    if native and whole and not _sequential_reduce():
+    if native and whole:
+        # Chosen per platform at lowering (XLA:CPU's fused reduce is sequential), not by
+        # the default backend: a GPU host may run this on its CPU.
         kept = tuple(1 if i in dims else d for i, d in enumerate(x.shape))
-        return _shaped(_fused_reduce(x, elem, None, dims, "sum"), kept)
+        return lax.platform_dependent(
+            x,
+            cpu=lambda v: _reduce(v, elem, axes, "sum", True),
+            default=lambda v: _shaped(_fused_reduce(v, elem, None, dims, "sum"), kept),
+        )
     if native:
         return _reduce(x, elem, axes, "sum", True)  # type: ignore[return-value]
     return tuple(jnp.sum(t, axis=dims, keepdims=True) for t in elem(x, None))  # type: ignore[return-value]
@@ -742,7 +757,8 @@ def _slice_unit_norms(
     ]
     leaves = _reduction_view(leaves)
     for i, (x, a, c) in enumerate(zip(leaves, axes, leaf_combines)):
-        if bucket and a is None and 0 < x.size and _bucketable(x):
+        # Bucket rows are zero-padded: not for a dtype with no zero (float8_e8m0fnu).
+        if bucket and a is None and 0 < x.size and _bucketable(x) and _has_zero(x.dtype):
             width = 1 << (x.size - 1).bit_length()
             groups.setdefault((np.dtype(x.dtype), width, c), []).append(i)
             where.append((-1, -1))
@@ -765,6 +781,11 @@ def _slice_unit_norms(
         _unit_norms(tuple(units), p, tuple(unit_axes), bucketed, tuple(combines)) if units else []
     )
     return norms, where
+
+
+@functools.cache
+def _has_zero(dtype: Any) -> bool:
+    return bool(np.asarray(0, dtype) == 0)  # NaN for float8_e8m0fnu
 
 
 def _per_leaf(

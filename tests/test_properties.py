@@ -56,6 +56,7 @@ def _threshold(leaves, p, ratio) -> float:
     return max(n * ratio, 1e-37)
 
 
+@pytest.mark.slow  # suite budget: the differential harness covers it in the default step
 @given(trees())
 def test_global_norm_matches_float64(case):
     leaves, p, ratio, dtype = case
@@ -77,6 +78,7 @@ def test_global_norm_matches_float64(case):
             assert np.asarray(o).tobytes() == np.asarray(x).tobytes()
 
 
+@pytest.mark.slow  # suite budget: the differential harness covers it in the default step
 @given(trees())
 def test_clip_by_norm_rows_match_float64_and_keep_direction(case):
     leaves, p, ratio, dtype = case

@@ -117,6 +117,7 @@ SINGLE = {
 
 # The default run keeps one mode of each kind; the rest run in the slow CI step.
 SLOW_MODES = {
+    "norm",  # suite budget; per-unit norms in shard_map: the tensor-parallel AGC test
     "norm_axes0",  # sharded axes=0 slices: test_clip_by_norm_axes_over_a_sharded_axis_is_per_slice
     "skip",
     "global_p0.5",
@@ -241,7 +242,11 @@ def test_wrong_axis_name_and_ambiguous_slices_are_clear_errors():
 
 
 @pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1dev", "2dev"])
-@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize(
+    "kind",
+    [AxisType.Auto, pytest.param(AxisType.Explicit, marks=pytest.mark.slow)],
+    ids=["auto", "explicit"],
+)
 def test_small_meshes_with_sharded_and_replicated_small_leaves(n, kind):
     """The one-device mesh (every laptop) and two devices: a sharded leaf next to small
     replicated ones of several dtypes, under jit, in a chain."""

@@ -35,12 +35,45 @@ def test_huge_finite_values_are_clipped_not_passed_or_zeroed():
     assert int(state.skipped) == 1 and not np.any(upd)
 
 
+@pytest.mark.slow  # suite budget: test_differential's 3e7-element cases run by default
 def test_large_low_precision_sums_are_accurate():
     np.testing.assert_allclose(
         jaxclip.global_norm([jnp.ones(30_000_000, jnp.float16)]), math.sqrt(3e7), rtol=1e-5
     )
     leaves = [jnp.ones(30_000, jnp.bfloat16) for _ in range(1000)]
     np.testing.assert_allclose(jaxclip.global_norm(leaves), math.sqrt(3e7), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype, value, axes",
+    [
+        (jnp.float16, 0.7, (1,)),  # float16 reads through XLA's sequential fused reduce
+        (jnp.float32, 1e25, (1,)),  # squares overflow: the rare path's fused reduce
+        (jnp.float32, 1e25, (0, 2)),  # axes not adjacent
+    ],
+)
+def test_slices_over_middle_axes_are_accurate(dtype, value, axes):
+    """Slices over a middle axis were one sequential sum: 9e-3 off at 3e5 elements."""
+    shape = (2, 300_000, 2) if axes == (1,) else (300, 2, 1000)
+    x = jnp.full(shape, value, dtype)
+    v = float(np.asarray(value, np.float64).astype(dtype))
+    n = jaxclip.clip_tree_by_norm(x, 1.0, axes=axes)[1]
+    want = math.sqrt(math.prod(shape[a] for a in axes)) * v
+    np.testing.assert_allclose(ref.f64(n), np.full(n.shape, want), rtol=1e-5)
+
+
+def test_complex_modulus_beyond_float32_clips_exactly():
+    """|3e38 + 3e38j| overflows float32; the real and imaginary parts do not (the output
+    was 0: the norm's terms took the overflowed modulus)."""
+    z = jnp.array([3e38 + 3e38j, 1.0 + 0j], jnp.complex64)
+    for out in (jaxclip.clip_tree_by_global_norm(z, 1.0)[0], jaxclip.clip_tree_by_norm(z, 1.0)[0]):
+        np.testing.assert_allclose(np.asarray(out)[0], (1 + 1j) / math.sqrt(2), rtol=1e-6)
+
+
+def test_float8_e8m0fnu_leaves_are_not_zero_padded():
+    """This dtype has no zero: the padding of a bucket row was NaN."""
+    x = jnp.ones((65,), jnp.float8_e8m0fnu)
+    np.testing.assert_allclose(float(jaxclip.clip_tree_by_norm(x, 100.0)[1]), math.sqrt(65))
 
 
 @pytest.mark.parametrize("p", [0.5, 1.5, 7.5, 9.0])
