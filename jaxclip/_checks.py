@@ -208,6 +208,17 @@ def check_clip_norm(clip_norm: Any, fn: str, name: str = "clip_norm") -> None:
         )
 
 
+def check_use_norm(use_norm: Any, fn: str) -> None:
+    """A global norm computed already: a real scalar >= 0 (NaN passes: it propagates as a
+    NaN norm)."""
+    v = _real(use_norm, "use_norm", fn, "a norm >= 0")
+    if v is not None and np.any(v < 0):
+        raise ValueError(
+            f"jaxclip.{fn}: use_norm={use_norm!r} is negative; pass the global norm of the "
+            "tree (>= 0), e.g. from jaxclip.global_norm."
+        )
+
+
 def check_max_norm(max_norm: Any, fn: str) -> None:
     """An optional fixed cap on the global norm (ZClip's ``max_norm``)."""
     v = _real(max_norm, "max_norm", fn, "a real number > 0, or None for no cap")

@@ -74,16 +74,20 @@ Shape = tuple[int, ...]
 BUCKET_MAX_BYTES = 64 * 1024
 #: XLA's fused (sequential) reduce runs over blocks of this many elements.
 BLOCK = 256
+
+
 #: How 2-norms are computed: None picks by the default backend (Blue's single pass on
 #: GPU/TPU, the plain sum with a rare path on CPU), True or False forces one (also set by
 #: the environment variable ``JAXCLIP_ONE_PASS=1`` or ``0``). Both are exact; a change
 #: takes effect for functions traced afterwards (``jax.clear_caches()``).
-ONE_PASS: bool | None = None
-_env = os.environ.get("JAXCLIP_ONE_PASS", "")
-if _env not in ("", "0", "1"):
-    raise ValueError(f"JAXCLIP_ONE_PASS must be 1 or 0 (or unset), got {_env!r}")
-if _env:
-    ONE_PASS = _env == "1"
+def _one_pass_from_env() -> bool | None:
+    value = os.environ.get("JAXCLIP_ONE_PASS", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"JAXCLIP_ONE_PASS must be 1 or 0 (or unset), got {value!r}")
+    return None if value == "" else value == "1"
+
+
+ONE_PASS: bool | None = _one_pass_from_env()
 
 
 def _one_pass() -> bool:

@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxclip import _checks, _norms, _tree
@@ -249,12 +248,7 @@ def clip_tree_by_global_norm(
     if use_norm is None:
         parts = _norms.global_norm_parts(xs, p, axis_name=axis_name)
     else:
-        v = _checks._real(use_norm, "use_norm", "clip_tree_by_global_norm", "a norm >= 0")
-        if v is not None and np.any(v < 0):  # NaN passes: it propagates as a NaN norm
-            raise ValueError(
-                f"jaxclip.clip_tree_by_global_norm: use_norm={use_norm!r} is negative; pass "
-                "the global norm of the tree (>= 0), e.g. from jaxclip.global_norm."
-            )
+        _checks.check_use_norm(use_norm, "clip_tree_by_global_norm")
         parts = _norms.as_norm(jnp.asarray(use_norm, _norms.result_dtype(xs)))
     if error_if_nonfinite:
         _norms.raise_if_nonfinite([parts.value], ["global norm"])
