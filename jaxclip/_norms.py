@@ -5,13 +5,13 @@ the common case: the plain power sum, accumulated in float32 (float64 for float6
 leaves) with the upcast fused into the reduction, so no widened copy of the gradients
 exists. Only when that sum is outside the range where it is exact -- it overflowed, is
 non-finite, or is so small that elements may have underflowed -- does a ``lax.cond``
-take the rare path. For ``p=2`` that is one more pass with Blue's three accumulators
-(Blue 1978; LAPACK 3.10 ``nrm2``): magnitudes above 2**48 are squared scaled down by
-2**-80, below 2**-63 scaled up by 2**98, the rest as they are, so every square is normal
-and no sum overflows; the sums are combined in the units of the largest. As the only
-path it would not do: XLA:CPU runs such a variadic reduce ~2-8x slower than its library
-sum. Other ``p`` scale per array (or slice) by the power of two of its largest magnitude
-(exact, never a subnormal factor), sum, and combine the parts by their exponents.
+take the rare path. For ``p=2`` that is the same sum once more, each slice scaled by a
+power of two read off its plain sum (:func:`_rescale`: an overflowed sum scales down by
+2**-85 in float32, a small or zero one lifts its largest possible element to 2**43), so
+every square that matters is normal and no sum overflows; it needs no pass for the
+maxima, and compiles to the plain sum's kernel shape with a scale. Other ``p`` scale per
+array (or slice) by the power of two of its largest magnitude (exact, never a subnormal
+factor), sum, and combine the parts by their exponents.
 
 On GPU and TPU (:data:`ONE_PASS`), where reductions are bound by memory, 2-norms over
 whole arrays and slices take Blue's pass directly, with no ``lax.cond``: measured on an
@@ -290,6 +290,13 @@ def _native(x: Array, bucketed: bool, rare: bool = False, p: float = 2.0) -> boo
     return wanted and _one_device(x)
 
 
+def _rare_native(x: Array, bucketed: bool, p: float) -> bool:
+    """:func:`_native` for the rare path's second read: the library reduction for the
+    rescaled 2-norm of 32/64-bit data (faster to compile and to run), the fused one for
+    narrower data, whose upcast XLA:CPU would otherwise materialise for both reads."""
+    return _native(x, bucketed, rare=p != 2.0 or x.dtype.itemsize < 4, p=p)
+
+
 def _fused_reduce(x: Array, elem: Elem, s: Any, dims: tuple[int, ...], op: str) -> Array:
     """``op`` of ``elem(x)`` over ``dims`` (dropped) as one variadic reduce XLA fuses itself.
 
@@ -422,19 +429,53 @@ def _scaled_parts(
     ``t = sum (|x| 2**-e / mant)^p`` (see :func:`_scale_of`), each term at most 1, so
     nothing overflows and only negligible terms underflow; ``t`` combined over the mapped
     axes ``combine``."""
-    acc = acc_dtype(x.dtype)
     e, mant = _scale_of(m, p)
     good = (m > 0) & jnp.isfinite(m)
+    return jnp.where(good, e, -jnp.inf), _scaled_sum(x, p, axes, native, e, mant, combine)
+
+
+def _scaled_sum(
+    x: Array, p: float, axes: Axes, native: bool, e: Array, mant: Array | None, combine: Combine
+) -> Array:
+    """``sum (|x| 2**-e / mant)^p`` over ``axes`` (keepdims; ``e`` per slice), combined
+    over the mapped axes ``combine``."""
+    acc = acc_dtype(x.dtype)
     factors = _factors(e, mant, acc)
     x, factors = lax.optimization_barrier((x, factors))  # no materialised broadcast
-    t = _psum(_reduce(x, _scaled_elem(p, acc), axes, "sum", native, factors), combine)
-    return jnp.where(good, e, -jnp.inf), t
+    return _psum(_reduce(x, _scaled_elem(p, acc), axes, "sum", native, factors), combine)
+
+
+#: Sums of squares of up to 2**SQUARES_LOG2 elements are bounded in :func:`_rescale`.
+SQUARES_LOG2 = 40
+
+
+def _rescale(s: Array, ok: Array) -> Array:
+    """The rare path of a 2-norm without a pass for the maxima: ``e`` per slice, from its
+    plain sum of squares ``s``, such that ``sum (|x| 2**-e)**2`` is exact (0 where ``ok``).
+
+    ``s`` overflowed (inf; NaN stays NaN): every element is at most the dtype's largest,
+    so ``e = (maxexp + 41) / 2`` keeps a sum of 2**40 squares finite, and elements that
+    matter (squares above ``s * 2**-70``) stay normal. ``s`` too small (elements may have
+    underflowed, or all are zero): every element is at most ``sqrt(max(s, tiny))``, and
+    ``e`` lifts that to ``2**((maxexp - 41) / 2)``, so again nothing overflows, and every
+    normal element (subnormals too, where the backend keeps them) squares to a normal
+    number. One more pass over the data, with the same kernel shape as the plain sum.
+    """
+    info = np.finfo(s.dtype)
+    down = float((info.maxexp + SQUARES_LOG2 + 2) // 2)
+    top = info.maxexp - SQUARES_LOG2 - 1
+    log2 = frexp(jnp.maximum(s, info.tiny))[1]  # s < 2**log2
+    up = jnp.floor((log2 - top) / 2)
+    return jnp.where(ok, 0, jnp.where(s < jnp.inf, up, down)).astype(s.dtype)
 
 
 def _scaled_elem(p: float, acc: np.dtype) -> Elem:
     """``(|v| * f0 * f1)^p``: a term of a power sum scaled by two factors."""
 
     def elem(v: Array, f: Any) -> Array:
+        if jnp.iscomplexobj(v):  # parts scaled before the modulus, which may overflow
+            re, im = (w.astype(acc) * f[0] * f[1] for w in (jnp.real(v), jnp.imag(v)))
+            return _power_abs(lax.complex(re, im), p, acc)
         return _power(_abs(v, acc) * f[0] * f[1], p)
 
     return elem
@@ -954,13 +995,14 @@ def _unit_norms_body(
         return [_root_norm(s, p) for (s,) in _stack(groups, sums)]
 
     def scaled() -> list[Norm]:
-        # Per unit: only a unit with a slice out of range reads its data again: its maxima,
-        # then (unless those slices are all zeros) Blue's sums for p=2, else a scaled sum.
+        # Per unit: only a unit with a slice out of range reads its data again: for p=2
+        # its sums rescaled (_rescale), else its maxima, then (unless those slices are all
+        # zeros) a scaled sum.
         parts = [
             lax.cond(
                 jnp.all(ok),
                 lambda s=s: neutral(jnp.zeros_like(s)),
-                functools.partial(rare, x, a, b, c, ok),
+                functools.partial(rare, x, a, b, c, ok, s),
             )
             for x, a, b, c, s, ok in zip(units, axes, bucketed, combines, sums, oks)
         ]
@@ -969,29 +1011,33 @@ def _unit_norms_body(
 
     def neutral(m: Array) -> tuple[Array, Array, Array]:
         """The rare parts of slices that need none (in range, or all zeros of maxima
-        ``m``): Blue's three zero sums for p=2, else ``(m, -inf, 0)``."""
+        ``m``): ``(m, -inf, 0)`` (for p=2, ``(0, 0, 0)``)."""
         if p == 2.0:
             return jnp.zeros_like(m), jnp.zeros_like(m), jnp.zeros_like(m)
         return m, jnp.full_like(m, -jnp.inf), jnp.zeros_like(m)
 
     def finish(s: Array, ok: Array, m: Array, e: Array, t: Array) -> Norm:
         f = _root_norm(s, p)
-        if p == 2.0:  # (m, e, t) are the three accumulators
-            n = _blue_norm(m, e, t)
+        if p == 2.0:  # t is the sum rescaled by 2**-e (see _rescale); m is unused
+            n = _root_norm(t, p, e)
         else:
             mant = _scale_of(m, p)[1]
             n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0), mant))
         return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
 
-    def rare(x: Array, a: Axes, b: bool, c: Combine, ok: Array) -> tuple[Array, Array, Array]:
+    def rare(
+        x: Array, a: Axes, b: bool, c: Combine, ok: Array, s: Array
+    ) -> tuple[Array, Array, Array]:
+        if p == 2.0:  # one more sum, rescaled per slice by what the plain one showed
+            native = _rare_native(x, b, p)
+            e = _rescale(s, ok)
+            return jnp.zeros_like(s), e, _scaled_sum(x, p, a, native, e, None, c)
         native = _native(x, b, rare=True)
         # The maxima first: all-zero slices (a frozen leaf, unused rows) need no more, and
-        # a max pass is ~2x faster than Blue's on XLA:CPU.
+        # a max pass is ~2x faster than the scaled sum on XLA:CPU.
         m = _pmax(_max_abs(x, a, acc_dtype(x.dtype), native), c)
 
         def parts() -> tuple[Array, Array, Array]:
-            if p == 2.0:  # one pass with Blue's three accumulators
-                return tuple(_psum(t, c) for t in _blue_sums(x, a, native))  # type: ignore[return-value]
             return (m, *_scaled_parts(x, p, a, native, m, c))
 
         return lax.cond(jnp.all(ok | (m == 0)), functools.partial(neutral, m), parts)
@@ -1269,12 +1315,16 @@ def _global_norm_body(
         ms = [_inf_norm(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, natives)]
         m = _max_over(ms, combines, acc, shape)
         return _special(m, _from_root(m, jnp.zeros_like(m)))
-    rare = [_native(u, b, rare=True) for u, b in zip(units, bucketed)]
-    # Blue's three accumulators, each summed over the units (one accumulation dtype).
+    # A 2-norm in one accumulation dtype: Blue's three accumulators, each summed over the
+    # units, in one pass; with two paths, the rare one rescaled by the plain sum.
     blue = p == 2.0 and len({acc_dtype(u.dtype) for u in units}) == 1
+    rare = [_rare_native(u, b, p if blue else 0.0) for u, b in zip(units, bucketed)]
 
     def blue_norm() -> Norm:
-        parts = [_blue_sums(u, a, nat, not lead) for u, a, nat in zip(units, axes, rare)]
+        parts = [
+            _blue_sums(u, a, _native(u, b, rare=True), not lead)
+            for u, a, b in zip(units, axes, bucketed)
+        ]
         return _blue_norm(*(_sum_over(q, combines, acc, shape) for q in zip(*parts)))
 
     # Per-example norms (``lead``) keep the two paths: on an H100 their rows ran no
@@ -1287,13 +1337,16 @@ def _global_norm_body(
     narrow = min((acc_dtype(u.dtype) for u in units), key=lambda d: d.itemsize)
 
     def scaled() -> Norm:
-        if blue:  # one pass, no maxima
-            return keep_fast(blue_norm())
-        # Native reductions for 16-bit units (see _native); one scale 2**-e for all, from
-        # the largest magnitude m = f * 2**e, applied as two normal factors per dtype.
-        ms = [_max_abs(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, rare)]
-        m = _max_over(ms, combines, acc, shape)
-        e, mant = _scale_of(m, p)
+        # Native reductions for 16-bit units (see _native); one scale 2**-e for all (per
+        # example), applied as two normal factors per dtype: for a 2-norm in one
+        # accumulation dtype from the plain sum (_rescale), else from the largest
+        # magnitude m = f * 2**e.
+        if blue:
+            m, e, mant = None, _rescale(s, ok), None
+        else:
+            ms = [_max_abs(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, rare)]
+            m = _max_over(ms, combines, acc, shape)
+            e, mant = _scale_of(m, p)
         # 2**-e per accumulation dtype (clamped: parts out of its range are negligible).
         factors = {d: _factors(e, mant, d) for d in {acc_dtype(u.dtype) for u in units}}
         # A second, separately fused read; the factors pass the barrier too, else XLA:CPU
@@ -1305,7 +1358,8 @@ def _global_norm_body(
             f = tuple(keep(v, u) for v in fs[ua])
             ts.append(_reduce(u, _scaled_elem(p, ua), a, "sum", nat, f))
         t = _sum_over(ts, combines, acc, shape)
-        return keep_fast(_special(m, _root_norm(t, p, e, mant)))
+        n = _root_norm(t, p, e, mant)
+        return keep_fast(n if m is None else _special(m, n))
 
     def keep_fast(n: Norm) -> Norm:
         if not shape:
