@@ -31,6 +31,10 @@ into gradients.
 
 Many small leaves are concatenated into one buffer per dtype ("bucketing") before a
 global reduction, so a thousand-leaf tree compiles to a handful of reduction kernels.
+The scalar maths of per-leaf norms and factors runs once over stacked vectors
+(:func:`stacked`); each leaf reads its values back at an offset XLA cannot fold
+(:func:`_opaque`), so that XLA:CPU compiles one scaling kernel per leaf shape, not one
+per leaf.
 Only leaves that live whole on one device are bucketed: concatenating sharded leaves
 would make XLA all-gather them.
 
@@ -52,6 +56,7 @@ every norm; they are still returned bit for bit when nothing is clipped.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -431,22 +436,28 @@ def _scaled_parts(
     axes ``combine``."""
     e, mant = _scale_of(m, p)
     good = (m > 0) & jnp.isfinite(m)
-    return jnp.where(good, e, -jnp.inf), _scaled_sum(x, p, axes, native, e, mant, combine)
+    factors = _factors(e, mant, acc_dtype(x.dtype))
+    return jnp.where(good, e, -jnp.inf), _scaled_sum(x, p, axes, native, factors, combine)
 
 
 def _scaled_sum(
-    x: Array, p: float, axes: Axes, native: bool, e: Array, mant: Array | None, combine: Combine
+    x: Array, p: float, axes: Axes, native: bool, factors: tuple[Array, Array], combine: Combine
 ) -> Array:
-    """``sum (|x| 2**-e / mant)^p`` over ``axes`` (keepdims; ``e`` per slice), combined
-    over the mapped axes ``combine``."""
+    """``sum (|x| f0 f1)^p`` over ``axes`` (keepdims; the factors of :func:`_factors` per
+    slice), combined over the mapped axes ``combine``."""
     acc = acc_dtype(x.dtype)
-    factors = _factors(e, mant, acc)
     x, factors = lax.optimization_barrier((x, factors))  # no materialised broadcast
     return _psum(_reduce(x, _scaled_elem(p, acc), axes, "sum", native, factors), combine)
 
 
 #: Sums of squares of up to 2**SQUARES_LOG2 elements are bounded in :func:`_rescale`.
 SQUARES_LOG2 = 40
+
+
+def _rescaled(s: Array, ok: Array) -> tuple[Array, Array, Array]:
+    """``e`` of :func:`_rescale` and its two factors (see :func:`_factors`)."""
+    e = _rescale(s, ok)
+    return (e, *_factors(e, None, s.dtype))
 
 
 def _rescale(s: Array, ok: Array) -> Array:
@@ -836,13 +847,17 @@ def _has_zero(dtype: Any) -> bool:
 def _per_leaf(
     leaves: Sequence[Array], per_unit: Sequence[Any], where: Sequence[tuple[int, int]]
 ) -> list[Any]:
-    """Per leaf, its unit's tuple of arrays, or the row of a bucket, shaped to broadcast."""
+    """Per leaf, its unit's tuple of arrays, or the row of a bucket (at an opaque index,
+    see :func:`_opaque`), shaped to broadcast."""
+    bucketed = [i for i, (_, row) in enumerate(where) if row >= 0]
+    like = leaves[bucketed[0]] if bucketed else None
+    rows = dict(zip(bucketed, _opaque([where[i][1] for i in bucketed], like)))
     out = []
-    for x, (u, row) in zip(leaves, where):
+    for i, (x, (u, row)) in enumerate(zip(leaves, where)):
         v = per_unit[u]
         if row >= 0:
-            rows = [f[row].reshape((1,) * x.ndim) for f in v]
-            v = type(v)(*rows) if hasattr(v, "_fields") else tuple(rows)
+            picked = [lax.dynamic_index_in_dim(f, rows[i], 0).reshape((1,) * x.ndim) for f in v]
+            v = type(v)(*picked) if hasattr(v, "_fields") else tuple(picked)
         out.append(v)
     return out
 
@@ -905,11 +920,10 @@ def clip_slices(
         n = Norm(frac, exp)
         return (n.value, *clip_scale(n, clip_norm))
 
-    per_unit = stacked(factors, [n.frac for n in norms], [n.exp for n in norms])
     leaf_norms = _per_leaf(leaves, norms, where)  # read only by the derivative rule
+    per_leaf = stacked(factors, [n.frac for n in norms], [n.exp for n in norms], where=where)
     out, values = [], []
-    per_leaf = zip(leaves, axes, _per_leaf(leaves, per_unit, where), leaf_norms)
-    for x, a, (value, *scale), n in per_leaf:
+    for x, a, (value, *scale), n in zip(leaves, axes, per_leaf, leaf_norms):
         out.append(clip_apply(x, Scale(*scale), n, clip_norm))
         values.append(value.reshape(()) if a is None else jnp.squeeze(value, axis=a))
     return out, values
@@ -986,7 +1000,9 @@ def _unit_norms_body(
         _psum(_power_sum(x, p, a, nat), c) for x, a, nat, c in zip(units, axes, natives, combines)
     ]
     oks = [_exact_range(s, acc) for s, acc in zip(sums, accs)]
-    all_ok = jnp.all(jnp.stack([jnp.all(ok) for ok in oks]))
+    # Per unit, whether all its slices are in range (a whole leaf's flag as it is).
+    unit_ok = [jnp.all(ok) if ok.size > 1 else ok.reshape(()) for ok in oks]
+    all_ok = jnp.all(jnp.stack(unit_ok))
     # Both branches return the stacked vectors, split after the cond: split inside, each
     # unit's slice would be a kernel recomputing the whole vector's maths.
     groups = _stack_groups(sums)
@@ -998,13 +1014,17 @@ def _unit_norms_body(
         # Per unit: only a unit with a slice out of range reads its data again: for p=2
         # its sums rescaled (_rescale), else its maxima, then (unless those slices are all
         # zeros) a scaled sum.
+        # For p=2 the exponents and factors of every unit are one set of kernels.
+        scales = stacked(_rescaled, sums, oks) if p == 2.0 else [None] * len(units)
         parts = [
             lax.cond(
-                jnp.all(ok),
+                unit,
                 lambda s=s: neutral(jnp.zeros_like(s)),
-                functools.partial(rare, x, a, b, c, ok, s),
+                functools.partial(rare, x, a, b, c, ok, sc),
             )
-            for x, a, b, c, s, ok in zip(units, axes, bucketed, combines, sums, oks)
+            for x, a, b, c, ok, unit, s, sc in zip(
+                units, axes, bucketed, combines, oks, unit_ok, sums, scales
+            )
         ]
         ms, es, ts = (list(v) for v in zip(*parts))
         return [finish(*flat) for flat in _stack(groups, sums, oks, ms, es, ts)]
@@ -1026,12 +1046,12 @@ def _unit_norms_body(
         return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
 
     def rare(
-        x: Array, a: Axes, b: bool, c: Combine, ok: Array, s: Array
+        x: Array, a: Axes, b: bool, c: Combine, ok: Array, scale: Any
     ) -> tuple[Array, Array, Array]:
         if p == 2.0:  # one more sum, rescaled per slice by what the plain one showed
-            native = _rare_native(x, b, p)
-            e = _rescale(s, ok)
-            return jnp.zeros_like(s), e, _scaled_sum(x, p, a, native, e, None, c)
+            e, *factors = scale
+            t = _scaled_sum(x, p, a, _rare_native(x, b, p), tuple(factors), c)  # type: ignore[arg-type]
+            return jnp.zeros_like(e), e, t
         native = _native(x, b, rare=True)
         # The maxima first: all-zero slices (a frozen leaf, unused rows) need no more, and
         # a max pass is ~2x faster than the scaled sum on XLA:CPU.
@@ -1074,27 +1094,68 @@ def _stack(groups: Groups, *lists: Sequence[Array]) -> list[list[Array]]:
     ]
 
 
-def _unstack(results: Sequence[Any], groups: Groups, shapes: Sequence[Shape]) -> list[Any]:
-    """Per array, its part of its group's result (a pytree of stacked vectors)."""
-    out: list[Any] = [None] * len(shapes)
-    for members, result in zip(groups, results):
-        leaves, tree = jax.tree.flatten(result)
-        at = 0
-        for i in members:
-            size = math.prod(shapes[i])
-            out[i] = tree.unflatten([v[at : at + size].reshape(shapes[i]) for v in leaves])
-            at += size
+def _unstack(
+    results: Sequence[Any],
+    groups: Groups,
+    shapes: Sequence[Shape],
+    where: Sequence[tuple[int, int]] | None = None,
+) -> list[Any]:
+    """Per array, its part of its group's result (a pytree of stacked vectors), sliced at
+    offsets XLA cannot see as constants (:func:`_opaque`). With ``where`` (per leaf: its
+    array, and its row of that array or -1, see :func:`_per_leaf`), per leaf instead: a
+    row as a scalar, at one opaque offset too."""
+    where = where or [(i, -1) for i in range(len(shapes))]
+    group_of = {i: g for g, members in enumerate(groups) for i in members}
+    at: dict[int, int] = {}  # each array's offset in its group's vectors
+    for members in groups:
+        at.update(
+            zip(members, itertools.accumulate([math.prod(shapes[i]) for i in members], initial=0))
+        )
+    pieces = []  # per leaf: (group, offset, size, shape)
+    for u, row in where:
+        size = math.prod(shapes[u]) if row < 0 else 1
+        pieces.append((group_of[u], at[u] + max(row, 0), size, shapes[u] if row < 0 else ()))
+    flat = [jax.tree.flatten(r) for r in results]
+    sliced = [i for i, (g, _, _, _) in enumerate(pieces) if len(groups[g]) > 1 or where[i][1] >= 0]
+    like = flat[pieces[sliced[0]][0]][0][0] if sliced else None
+    offsets = dict(zip(sliced, _opaque([pieces[i][1] for i in sliced], like)))
+    out = []
+    for i, (g, _, size, shape) in enumerate(pieces):
+        vs, tree = flat[g]
+        if i in offsets:
+            vs = [lax.dynamic_slice_in_dim(v, offsets[i], size) for v in vs]
+        out.append(tree.unflatten([v.reshape(shape) for v in vs]))
     return out
 
 
-def stacked(fn: Callable[..., Any], *lists: Sequence[Array]) -> list[Any]:
+def _opaque(values: Sequence[int], like: Array | None) -> list[Array]:
+    """``values`` as int32 scalars that XLA cannot fold into the kernels that read them:
+    outputs of a ``lax.cond`` on a traced predicate (from ``like``) whose branches both
+    return them. Each leaf's scaling kernel reads its scalars out of the stacked vectors
+    at such an offset, so that the kernels of alike leaves are identical and XLA:CPU
+    compiles them once; at a constant offset every one is a kernel of its own (~40 ms of
+    compile each: 193 of them on a transformer's clip_by_norm). Plain constants with the
+    single pass (GPU/TPU), which keeps no conditional."""
+    if like is None or not values or _one_pass():
+        return [jnp.int32(v) for v in values]
+
+    def consts() -> list[Array]:
+        return [jnp.int32(v) for v in values]
+
+    return lax.cond(jnp.ravel(like)[0].astype(bool), consts, consts)
+
+
+def stacked(
+    fn: Callable[..., Any], *lists: Sequence[Array], where: Sequence[tuple[int, int]] | None = None
+) -> list[Any]:
     """``fn`` applied once to the concatenation of each list's arrays (raveled), the
-    results split back to each array's shape: the scalar maths of a norm (roots,
-    exponents, clipping factors) is one set of kernels however many leaves there are,
-    which keeps compile time flat (see :func:`_stack_groups`)."""
+    results split back to each array's shape (or, with ``where``, per leaf, see
+    :func:`_unstack`): the scalar maths of a norm (roots, exponents, clipping factors) is
+    one set of kernels however many leaves there are, which keeps compile time flat (see
+    :func:`_stack_groups`)."""
     groups = _stack_groups(lists[0])
     results = [fn(*flat) for flat in _stack(groups, *lists)]
-    return _unstack(results, groups, [v.shape for v in lists[0]])
+    return _unstack(results, groups, [v.shape for v in lists[0]], where)
 
 
 _unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(1, 2, 3, 4))
