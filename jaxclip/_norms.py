@@ -295,11 +295,14 @@ def _native(x: Array, bucketed: bool, rare: bool = False, p: float = 2.0) -> boo
     return wanted and _one_device(x)
 
 
-def _rare_native(x: Array, bucketed: bool, p: float) -> bool:
+def _rare_native(x: Array, bucketed: bool, p: float, axes: Axes) -> bool:
     """:func:`_native` for the rare path's second read: the library reduction for the
-    rescaled 2-norm of 32/64-bit data (faster to compile and to run), the fused one for
-    narrower data, whose upcast XLA:CPU would otherwise materialise for both reads."""
-    return _native(x, bucketed, rare=p != 2.0 or x.dtype.itemsize < 4, p=p)
+    rescaled 2-norm of a whole 32/64-bit array (faster to compile and to run), the fused
+    one for narrower data, whose upcast XLA:CPU would otherwise materialise for both
+    reads, and for per-slice scales, whose broadcast it would materialise (8 MB of
+    temporaries for per-example norms of a small transformer)."""
+    whole = axes is None or len(axes) == x.ndim
+    return _native(x, bucketed, rare=p != 2.0 or x.dtype.itemsize < 4 or not whole, p=p)
 
 
 def _fused_reduce(x: Array, elem: Elem, s: Any, dims: tuple[int, ...], op: str) -> Array:
@@ -1050,7 +1053,7 @@ def _unit_norms_body(
     ) -> tuple[Array, Array, Array]:
         if p == 2.0:  # one more sum, rescaled per slice by what the plain one showed
             e, *factors = scale
-            t = _scaled_sum(x, p, a, _rare_native(x, b, p), tuple(factors), c)  # type: ignore[arg-type]
+            t = _scaled_sum(x, p, a, _rare_native(x, b, p, a), tuple(factors), c)  # type: ignore[arg-type]
             return jnp.zeros_like(e), e, t
         native = _native(x, b, rare=True)
         # The maxima first: all-zero slices (a frozen leaf, unused rows) need no more, and
@@ -1379,7 +1382,7 @@ def _global_norm_body(
     # A 2-norm in one accumulation dtype: Blue's three accumulators, each summed over the
     # units, in one pass; with two paths, the rare one rescaled by the plain sum.
     blue = p == 2.0 and len({acc_dtype(u.dtype) for u in units}) == 1
-    rare = [_rare_native(u, b, p if blue else 0.0) for u, b in zip(units, bucketed)]
+    rare = [_rare_native(u, b, p if blue else 0.0, a) for u, b, a in zip(units, bucketed, axes)]
 
     def blue_norm() -> Norm:
         parts = [
