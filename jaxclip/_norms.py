@@ -1125,7 +1125,9 @@ def _unstack(
     out = []
     for i, (g, _, size, shape) in enumerate(pieces):
         vs, tree = flat[g]
-        if i in offsets:
+        if i in offsets and size == 1:  # ~8x faster to trace than dynamic_slice_in_dim
+            vs = [lax.dynamic_index_in_dim(v, offsets[i], keepdims=False) for v in vs]
+        elif i in offsets:
             vs = [lax.dynamic_slice_in_dim(v, offsets[i], size) for v in vs]
         out.append(tree.unflatten([v.reshape(shape) for v in vs]))
     return out
