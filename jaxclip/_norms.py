@@ -1018,19 +1018,39 @@ def _unit_norms_body(
         # its sums rescaled (_rescale), else its maxima, then (unless those slices are all
         # zeros) a scaled sum.
         # For p=2 the exponents and factors of every unit are one set of kernels.
-        scales = stacked(_rescaled, sums, oks) if p == 2.0 else [None] * len(units)
-        parts = [
-            lax.cond(
-                unit,
-                lambda s=s: neutral(jnp.zeros_like(s)),
-                functools.partial(rare, x, a, b, c, ok, sc),
-            )
-            for x, a, b, c, ok, unit, s, sc in zip(
-                units, axes, bucketed, combines, oks, unit_ok, sums, scales
-            )
-        ]
+        if p == 2.0:
+            scales = stacked(_rescaled, sums, oks)
+            # Branches as operand functions, one per (axes, bucketed, combine): JAX
+            # reuses their traced jaxprs across alike units (half the trace time).
+            rescaled: dict[tuple[Axes, bool, Combine], Callable[..., Any]] = {}
+
+            def branch(a: Axes, b: bool, c: Combine) -> Callable[..., Any]:
+                if (a, b, c) not in rescaled:
+                    rescaled[a, b, c] = lambda x, ok, *sc: rare(x, a, b, c, ok, sc)
+                return rescaled[a, b, c]
+
+            parts = [
+                lax.cond(unit, skip, branch(a, b, c), x, ok, *sc)
+                for x, a, b, c, ok, unit, sc in zip(
+                    units, axes, bucketed, combines, oks, unit_ok, scales
+                )
+            ]
+        else:
+            parts = [
+                lax.cond(
+                    unit,
+                    lambda s=s: neutral(jnp.zeros_like(s)),
+                    functools.partial(rare, x, a, b, c, ok, None),
+                )
+                for x, a, b, c, ok, unit, s in zip(
+                    units, axes, bucketed, combines, oks, unit_ok, sums
+                )
+            ]
         ms, es, ts = (list(v) for v in zip(*parts))
         return [finish(*flat) for flat in _stack(groups, sums, oks, ms, es, ts)]
+
+    def skip(x: Array, ok: Array, *scale: Array) -> tuple[Array, Array, Array]:
+        return neutral(jnp.zeros_like(scale[0]))
 
     def neutral(m: Array) -> tuple[Array, Array, Array]:
         """The rare parts of slices that need none (in range, or all zeros of maxima
