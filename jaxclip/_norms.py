@@ -468,12 +468,13 @@ def _rescale(s: Array, ok: Array) -> Array:
     plain sum of squares ``s``, such that ``sum (|x| 2**-e)**2`` is exact (0 where ``ok``).
 
     ``s`` overflowed (inf; NaN stays NaN): every element is at most the dtype's largest,
-    so ``e = (maxexp + 41) / 2`` keeps a sum of 2**40 squares finite, and elements that
-    matter (squares above ``s * 2**-70``) stay normal. ``s`` too small (elements may have
-    underflowed, or all are zero): every element is at most ``sqrt(max(s, tiny))``, and
-    ``e`` lifts that to ``2**((maxexp - 41) / 2)``, so again nothing overflows, and every
-    normal element (subnormals too, where the backend keeps them) squares to a normal
-    number. One more pass over the data, with the same kernel shape as the plain sum.
+    so ``e = (maxexp + 42) // 2`` (85 for float32) keeps a sum of 2**40 squares finite,
+    and elements that matter (squares above ``s * 2**-70``) stay normal. ``s`` too small
+    (elements may have underflowed, or all are zero): every element is at most
+    ``sqrt(max(s, tiny))``, and ``e`` lifts that to ``2**((maxexp - 41) / 2)``, so again
+    nothing overflows, and every normal element (subnormals too, where the backend keeps
+    them) squares to a normal number. One more pass over the data, with the same kernel
+    shape as the plain sum.
     """
     info = np.finfo(s.dtype)
     down = float((info.maxexp + SQUARES_LOG2 + 2) // 2)
@@ -540,18 +541,15 @@ def _blue_elem(acc: np.dtype) -> Elem:
     return elem
 
 
-def _blue_sums(
-    x: Array, axes: Axes, native: bool, whole: bool = False
-) -> tuple[Array, Array, Array]:
+def _blue_sums(x: Array, axes: Axes, native: bool) -> tuple[Array, Array, Array]:
     """The big, medium and small accumulators of ``x`` over ``axes`` (keepdims): one
     variadic reduce, or (a sharded ``x``, whose variadic reduce XLA would gather) three
-    library reductions. With ``whole``, on a platform other than CPU (chosen when lowering),
-    the variadic reduce runs over the whole ``axes`` at once, not in blocks: XLA:GPU
-    reduces in a tree. Per-example rows keep the blocks (their temporaries on an H100 were
-    110 KB blocked against 662 KB whole)."""
+    library reductions. On a platform other than CPU (chosen when lowering) the variadic
+    reduce runs over the whole ``axes`` at once, not in blocks: XLA:GPU reduces in a
+    tree."""
     elem = _blue_elem(acc_dtype(x.dtype))
     dims = tuple(range(x.ndim)) if axes is None else axes
-    if native and whole:
+    if native:
         # Chosen per platform at lowering (XLA:CPU's fused reduce is sequential), not by
         # the default backend: a GPU host may run this on its CPU.
         kept = tuple(1 if i in dims else d for i, d in enumerate(x.shape))
@@ -560,8 +558,6 @@ def _blue_sums(
             cpu=lambda v: _reduce(v, elem, axes, "sum", True),
             default=lambda v: _shaped(_fused_reduce(v, elem, None, dims, "sum"), kept),
         )
-    if native:
-        return _reduce(x, elem, axes, "sum", True)  # type: ignore[return-value]
     return tuple(jnp.sum(t, axis=dims, keepdims=True) for t in elem(x, None))  # type: ignore[return-value]
 
 
@@ -995,7 +991,7 @@ def _unit_norms_body(
         return stacked(lambda m: _special(m, _from_root(m, jnp.zeros_like(m))), ms)
     if p == 2.0 and _one_pass():
         parts = [
-            tuple(_psum(t, c) for t in _blue_sums(x, a, _native(x, b, rare=True), True))
+            tuple(_psum(t, c) for t in _blue_sums(x, a, _native(x, b, rare=True)))
             for x, a, b, c in zip(units, axes, bucketed, combines)
         ]
         return stacked(_blue_norm, *(list(q) for q in zip(*parts)))
@@ -1404,19 +1400,17 @@ def _global_norm_body(
     # A 2-norm in one accumulation dtype: Blue's three accumulators, each summed over the
     # units, in one pass; with two paths, the rare one rescaled by the plain sum.
     blue = p == 2.0 and len({acc_dtype(u.dtype) for u in units}) == 1
-    rare = [_rare_native(u, b, p if blue else 0.0, a) for u, b, a in zip(units, bucketed, axes)]
-
-    def blue_norm() -> Norm:
-        parts = [
-            _blue_sums(u, a, _native(u, b, rare=True), not lead)
-            for u, a, b in zip(units, axes, bucketed)
-        ]
-        return _blue_norm(*(_sum_over(q, combines, acc, shape) for q in zip(*parts)))
-
     # Per-example norms (``lead``) keep the two paths: on an H100 their rows ran no
     # faster in one pass, with 6-25x the temporaries (benchmarks/last_run.md).
     if blue and _one_pass() and not lead:
-        return blue_norm()
+        parts = [
+            _blue_sums(u, a, _native(u, b, rare=True)) for u, a, b in zip(units, axes, bucketed)
+        ]
+        return _blue_norm(*(_sum_over(q, combines, acc, shape) for q in zip(*parts)))
+    rare = [
+        _rare_native(u, b, p, a) if blue else _native(u, b, rare=True)
+        for u, b, a in zip(units, bucketed, axes)
+    ]
     sums = [_power_sum(u, p, a, nat) for u, a, nat in zip(units, axes, natives)]
     s = _sum_over(sums, combines, acc, shape)
     # The narrowest accumulation dtype decides: its underflow is what may be lost.
