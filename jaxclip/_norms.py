@@ -444,10 +444,11 @@ def _scaled_parts(
 
 
 def _scaled_sum(
-    x: Array, p: float, axes: Axes, native: bool, factors: tuple[Array, Array], combine: Combine
+    x: Array, p: float, axes: Axes, native: bool, factors: tuple[Array, ...], combine: Combine
 ) -> Array:
-    """``sum (|x| f0 f1)^p`` over ``axes`` (keepdims; the factors of :func:`_factors` per
-    slice), combined over the mapped axes ``combine``."""
+    """``sum (|x| f0 f1 ...)^p`` over ``axes`` (keepdims; the factors of :func:`_factors`,
+    or the one of :func:`_rescaled`, per slice), combined over the mapped axes
+    ``combine``."""
     acc = acc_dtype(x.dtype)
     x, factors = lax.optimization_barrier((x, factors))  # no materialised broadcast
     return _psum(_reduce(x, _scaled_elem(p, acc), axes, "sum", native, factors), combine)
@@ -457,10 +458,9 @@ def _scaled_sum(
 SQUARES_LOG2 = 40
 
 
-def _rescaled(s: Array, ok: Array) -> tuple[Array, Array, Array]:
-    """``e`` of :func:`_rescale` and its two factors (see :func:`_factors`)."""
-    e = _rescale(s, ok)
-    return (e, *_factors(e, None, s.dtype))
+def _rescaled(s: Array, ok: Array) -> Array:
+    """``2**-e`` for ``e`` of :func:`_rescale`: one factor, normal for every such ``e``."""
+    return _pow2(-_rescale(s, ok), s.dtype)
 
 
 def _rescale(s: Array, ok: Array) -> Array:
@@ -485,13 +485,13 @@ def _rescale(s: Array, ok: Array) -> Array:
 
 
 def _scaled_elem(p: float, acc: np.dtype) -> Elem:
-    """``(|v| * f0 * f1)^p``: a term of a power sum scaled by two factors."""
+    """``(|v| * f0 * f1 ...)^p``: a term of a power sum scaled by its factors."""
 
     def elem(v: Array, f: Any) -> Array:
         if jnp.iscomplexobj(v):  # parts scaled before the modulus, which may overflow
-            re, im = (w.astype(acc) * f[0] * f[1] for w in (jnp.real(v), jnp.imag(v)))
+            re, im = (functools.reduce(jnp.multiply, f, w.astype(acc)) for w in (v.real, v.imag))
             return _power_abs(lax.complex(re, im), p, acc)
-        return _power(_abs(v, acc) * f[0] * f[1], p)
+        return _power(functools.reduce(jnp.multiply, f, _abs(v, acc)), p)
 
     return elem
 
@@ -1013,24 +1013,25 @@ def _unit_norms_body(
         # Per unit: only a unit with a slice out of range reads its data again: for p=2
         # its sums rescaled (_rescale), else its maxima, then (unless those slices are all
         # zeros) a scaled sum.
-        # For p=2 the exponents and factors of every unit are one set of kernels.
+        # For p=2 the factors of every unit are one set of kernels.
         if p == 2.0:
-            scales = stacked(_rescaled, sums, oks)
+            factors = stacked(_rescaled, sums, oks)
             # Branches as operand functions, one per (axes, bucketed, combine): JAX
             # reuses their traced jaxprs across alike units (half the trace time).
             rescaled: dict[tuple[Axes, bool, Combine], Callable[..., Any]] = {}
 
             def branch(a: Axes, b: bool, c: Combine) -> Callable[..., Any]:
                 if (a, b, c) not in rescaled:
-                    rescaled[a, b, c] = lambda x, ok, *sc: rare(x, a, b, c, ok, sc)
+                    rescaled[a, b, c] = lambda x, f: rare(x, a, b, c, None, f)
                 return rescaled[a, b, c]
 
-            parts = [
-                lax.cond(unit, skip, branch(a, b, c), x, ok, *sc)
-                for x, a, b, c, ok, unit, sc in zip(
-                    units, axes, bucketed, combines, oks, unit_ok, scales
-                )
+            # The exponents are recomputed from the stacked sums in finish(): one
+            # value per unit crosses into its branch (each is a kernel of its own).
+            ts = [
+                lax.cond(unit, lambda x, f: jnp.zeros_like(f), branch(a, b, c), x, f)
+                for x, a, b, c, unit, f in zip(units, axes, bucketed, combines, unit_ok, factors)
             ]
+            return [finish(*flat) for flat in _stack(groups, sums, oks, ts)]
         else:
             parts = [
                 lax.cond(
@@ -1043,34 +1044,25 @@ def _unit_norms_body(
                 )
             ]
         ms, es, ts = (list(v) for v in zip(*parts))
-        return [finish(*flat) for flat in _stack(groups, sums, oks, ms, es, ts)]
-
-    def skip(x: Array, ok: Array, *scale: Array) -> tuple[Array, Array, Array]:
-        return neutral(jnp.zeros_like(scale[0]))
+        return [finish(*flat) for flat in _stack(groups, sums, oks, ts, ms, es)]
 
     def neutral(m: Array) -> tuple[Array, Array, Array]:
         """The rare parts of slices that need none (in range, or all zeros of maxima
-        ``m``): ``(m, -inf, 0)`` (for p=2, ``(0, 0, 0)``)."""
-        if p == 2.0:
-            return jnp.zeros_like(m), jnp.zeros_like(m), jnp.zeros_like(m)
+        ``m``): ``(m, -inf, 0)``."""
         return m, jnp.full_like(m, -jnp.inf), jnp.zeros_like(m)
 
-    def finish(s: Array, ok: Array, m: Array, e: Array, t: Array) -> Norm:
+    def finish(s: Array, ok: Array, t: Array, m: Array | None = None, e: Any = None) -> Norm:
         f = _root_norm(s, p)
-        if p == 2.0:  # t is the sum rescaled by 2**-e (see _rescale); m is unused
-            n = _root_norm(t, p, e)
+        if m is None:  # p=2: t is the sum rescaled by 2**-e, e from s (see _rescale)
+            n = _root_norm(t, p, _rescale(s, ok))
         else:
             mant = _scale_of(m, p)[1]
             n = _special(m, _root_norm(t, p, jnp.where(jnp.isfinite(e), e, 0), mant))
         return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
 
-    def rare(
-        x: Array, a: Axes, b: bool, c: Combine, ok: Array, scale: Any
-    ) -> tuple[Array, Array, Array]:
+    def rare(x: Array, a: Axes, b: bool, c: Combine, ok: Any, f: Any) -> Any:
         if p == 2.0:  # one more sum, rescaled per slice by what the plain one showed
-            e, *factors = scale
-            t = _scaled_sum(x, p, a, _rare_native(x, b, p, a), tuple(factors), c)  # type: ignore[arg-type]
-            return jnp.zeros_like(e), e, t
+            return _scaled_sum(x, p, a, _rare_native(x, b, p, a), (f,), c)
         native = _native(x, b, rare=True)
         # The maxima first: all-zero slices (a frozen leaf, unused rows) need no more, and
         # a max pass is ~2x faster than the scaled sum on XLA:CPU.
