@@ -864,7 +864,8 @@ def _per_leaf(
     for i, (x, (u, row)) in enumerate(zip(leaves, where)):
         v = per_unit[u]
         if row >= 0:
-            picked = [lax.dynamic_index_in_dim(f, rows[i], 0).reshape((1,) * x.ndim) for f in v]
+            kept = (1,) * x.ndim  # a single-device row: lax.reshape needs no sharding
+            picked = [lax.reshape(lax.dynamic_index_in_dim(f, rows[i], 0), kept) for f in v]
             v = type(v)(*picked) if hasattr(v, "_fields") else tuple(picked)
         out.append(v)
     return out
@@ -930,9 +931,10 @@ def clip_slices(
 
     leaf_norms = _per_leaf(leaves, norms, where)  # read only by the derivative rule
     per_leaf = stacked(factors, [n.frac for n in norms], [n.exp for n in norms], where=where)
+    cs = {n.frac.dtype: _as(clip_norm, n) for n in norms}
     out, values = [], []
     for x, a, (value, *scale), n in zip(leaves, axes, per_leaf, leaf_norms):
-        out.append(clip_apply(x, Scale(*scale), n, clip_norm))
+        out.append(clip_apply(x, Scale(*scale), n, cs[n.frac.dtype]))
         values.append(value.reshape(()) if a is None else jnp.squeeze(value, axis=a))
     return out, values
 
@@ -1146,11 +1148,11 @@ def _unstack(
             vs = [lax.dynamic_index_in_dim(v, offsets[i], keepdims=False) for v in vs]
         elif i in offsets:
             vs = [lax.dynamic_slice_in_dim(v, offsets[i], size) for v in vs]
-        out.append(tree.unflatten([v.reshape(shape) for v in vs]))
+        out.append(tree.unflatten([v if v.shape == shape else v.reshape(shape) for v in vs]))
     return out
 
 
-def _opaque(values: Sequence[int], like: Array | None) -> list[Array]:
+def _opaque(values: Sequence[int], like: Array | None) -> list[Any]:
     """``values`` as int32 scalars that XLA cannot fold into the kernels that read them:
     outputs of a ``lax.cond`` on a traced predicate (from ``like``) whose branches both
     return them. Each leaf's scaling kernel reads its scalars out of the stacked vectors
@@ -1158,11 +1160,12 @@ def _opaque(values: Sequence[int], like: Array | None) -> list[Array]:
     compiles them once; at a constant offset every one is a kernel of its own (~40 ms of
     compile each: 193 of them on a transformer's clip_by_norm). Plain constants with the
     single pass (GPU/TPU), which keeps no conditional."""
+    # numpy scalars: ~4x faster to trace than jnp.int32, a thousand of them per tree.
     if like is None or not values or _one_pass():
-        return [jnp.int32(v) for v in values]
+        return list(np.asarray(values, np.int32))
 
-    def consts() -> list[Array]:
-        return [jnp.int32(v) for v in values]
+    def consts() -> list[Any]:
+        return list(np.asarray(values, np.int32))
 
     return lax.cond(jnp.ravel(like)[0].astype(bool), consts, consts)
 
@@ -1524,13 +1527,27 @@ def clip_scale(norm: Norm | Array, clip_norm: Any) -> Scale:
     return Scale(f1 == 0, f0, f1)
 
 
+def _spread(v: Array, like: Array) -> Array:
+    """``v`` broadcast (numpy's rules) to the shape and sharding of ``like``."""
+    if v.shape == like.shape:
+        return v
+    dims = tuple(range(like.ndim - v.ndim, like.ndim))
+    return lax.broadcast_in_dim(v, like.shape, dims, out_sharding=jax.typeof(like).sharding)
+
+
 def apply_scale(x: Array, scale: Scale) -> Array:
     """``x`` where the scale keeps it (bit for bit, subnormals included), else
     ``x * c / n`` with one rounding into ``x.dtype``."""
     acc = acc_dtype(x.dtype)
-    xs = x if jnp.iscomplexobj(x) else x.astype(acc)
-    f0, f1 = scale.f0.astype(acc), scale.f1.astype(acc)
-    return jnp.where(scale.keep, x, (xs * f0 * f1).astype(x.dtype))
+    if jnp.iscomplexobj(x):
+        f0, f1 = scale.f0.astype(acc), scale.f1.astype(acc)
+        return jnp.where(scale.keep, x, (x * f0 * f1).astype(x.dtype))
+    # lax, not jnp: this runs once per leaf, and jnp's wrappers cost ~1 ms of tracing
+    # each (a thousand-leaf tree's trace is mostly such calls).
+    f0, f1 = (_spread(lax.convert_element_type(f, acc), x) for f in scale[1:])
+    y = lax.mul(lax.mul(lax.convert_element_type(x, acc), f0), f1)
+    keep = _spread(jnp.asarray(scale.keep), x)
+    return lax.select(keep, x, lax.convert_element_type(y, x.dtype))
 
 
 @jax.custom_jvp
@@ -1566,8 +1583,16 @@ def clip_apply(x: Array, scale: Scale, norm: Norm, clip_norm: Any) -> Array:
     """``apply_scale(x, scale)`` for ``scale = clip_scale(norm, clip_norm)``, with
     derivatives that stay finite where ``x`` or the norm are near the dtype's largest
     value and where ``clip_norm`` is infinite."""
-    c = jnp.asarray(clip_norm, norm.frac.dtype)
-    return _clipped(x, scale.keep, scale.f0, scale.f1, norm.frac, norm.exp, c)
+    return _clipped(x, scale.keep, scale.f0, scale.f1, norm.frac, norm.exp, _as(clip_norm, norm))
+
+
+def _as(clip_norm: Any, norm: Norm) -> Array:
+    """``clip_norm`` as an array of the norm's dtype; as it is when it already is one
+    (callers convert once for many leaves: ``jnp.asarray`` costs ~0.3 ms of tracing)."""
+    dtype = norm.frac.dtype
+    if isinstance(clip_norm, jax.Array) and clip_norm.dtype == dtype and not clip_norm.weak_type:
+        return clip_norm
+    return jnp.asarray(clip_norm, dtype)
 
 
 @jax.jit
@@ -1577,7 +1602,8 @@ def rescale(xs: Sequence[Array], norm: Norm | Array, clip_norm: Any) -> list[Arr
     if not isinstance(norm, Norm):
         norm = as_norm(jnp.asarray(norm))
     scale = clip_scale(norm, clip_norm)
-    return [clip_apply(x, scale, norm, clip_norm) for x in xs]
+    c = _as(clip_norm, norm)
+    return [clip_apply(x, scale, norm, c) for x in xs]
 
 
 @jax.jit
