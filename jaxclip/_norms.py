@@ -301,12 +301,14 @@ def _native(x: Array, bucketed: bool, rare: bool = False, p: float = 2.0) -> boo
 
 def _rare_native(x: Array, bucketed: bool, p: float, axes: Axes) -> bool:
     """:func:`_native` for the rare path's second read: the library reduction for the
-    rescaled 2-norm of a whole 32/64-bit array (faster to compile and to run), the fused
+    rescaled 2-norm of a whole 32/64-bit leaf (faster to compile and to run), the fused
     one for narrower data, whose upcast XLA:CPU would otherwise materialise for both
-    reads, and for per-slice scales, whose broadcast it would materialise (8 MB of
-    temporaries for per-example norms of a small transformer)."""
+    reads, and for per-slice scales and buckets, whose scales' broadcast it would
+    materialise (8 MB of temporaries for per-example norms of a small transformer; 2 MB,
+    half the bucket, for a thousand small leaves)."""
     whole = axes is None or len(axes) == x.ndim
-    return _native(x, bucketed, rare=p != 2.0 or x.dtype.itemsize < 4 or not whole, p=p)
+    fused = p != 2.0 or x.dtype.itemsize < 4 or not whole or bucketed
+    return _native(x, bucketed, rare=fused, p=p)
 
 
 def _fused_reduce(x: Array, elem: Elem, s: Any, dims: tuple[int, ...], op: str) -> Array:

@@ -41,8 +41,9 @@ def test_thousand_leaf_global_norm_lowers_to_a_handful_of_reductions():
     ours = _reduce_count(fn, tree)
     theirs = _reduce_count(lambda g: optax.clip_by_global_norm(1.0).update(g, None), tree)
     assert theirs >= 1000  # one kernel per leaf: what makes optax slow to compile
-    # Per bucket its sum; on the rare path the same sum rescaled.
-    assert ours <= 2 * _chunks(1000), ours
+    # Per bucket its sum; on the rare path the same sum rescaled, by XLA's fused reduce
+    # over blocks (a tail block, and the library sum of the block sums).
+    assert ours <= 4 * _chunks(1000), ours
     # Buckets of at most BUCKET_MAX_LEAVES leaves: XLA's layout assignment is
     # superlinear in a concatenation's operands (a 4000-leaf clip_by_norm compiled in
     # 98 s with one bucket, 56 s with buckets of 256).
@@ -160,7 +161,11 @@ def test_sharded_small_leaves_are_not_bucketed():
     [jnp.float32, jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)],
 )
 @pytest.mark.parametrize("mode", ["global", "norm"])
-def test_temporaries_bounded_with_buckets(mode, dtype):
+def test_temporaries_bounded_with_buckets(mode, dtype, monkeypatch):
+    # Several buckets (BUCKET_MAX_LEAVES): with more than one, the rare path's scale
+    # factors were once broadcast to a bucket's shape (2 MB for 1000 small leaves).
+    monkeypatch.setattr(_norms, "BUCKET_MAX_LEAVES", 8)
+    jax.clear_caches()  # jaxclip's inner jits may hold a trace with the default
     rng = np.random.default_rng(0)
     small = [jnp.asarray(rng.normal(size=(300 + 3 * i,)), dtype) for i in range(24)]
     large = [jnp.asarray(rng.normal(size=(256, 512)), dtype) for _ in range(2)]
