@@ -3,19 +3,22 @@
     python benchmarks/compile_probe.py dedup                # XLA:CPU reuses identical kernels
     python benchmarks/compile_probe.py tree transformer     # every mode vs optax on one tree
     python benchmarks/compile_probe.py tree small --leaves 1000 --shapes 50
+    python benchmarks/compile_probe.py tree small --leaves 10000 --only "clip_by_norm"
 
 ``dedup`` compiles the same per-leaf clipping over 300 leaves of one shape and of 300
 distinct shapes: XLA:CPU compiles each distinct kernel once, so the second costs ~30x the
 first (1.4 s against 47 s on 2 cores). Any per-leaf value sliced out of a stacked vector
 makes each leaf's kernel distinct in the same way (issue 16's note).
 
-``tree`` prints, per mode, trace+lower and compile seconds, and the number of fusions and
-conditionals in the optimized HLO, jaxclip beside optax.
+``tree`` prints, per mode, trace+lower and compile seconds, the number of fusions and
+conditionals in the optimized HLO, and the process's peak RSS so far, jaxclip beside optax
+(``--only`` keeps the modes whose name contains the given text).
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,10 +37,12 @@ def _measure(fn: Callable[..., Any], *args: Any) -> str:
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    text = compiled.as_text()
+    text = compiled.as_text() or ""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return (
         f"trace+lower {t1 - t0:6.2f} s  compile {t2 - t1:6.2f} s  "
-        f"fusions {text.count(' fusion('):5d}  conds {text.count('conditional('):4d}"
+        f"fusions {text.count(' fusion('):5d}  conds {text.count('conditional('):4d}  "
+        f"peak RSS {rss:6.0f} MiB"
     )
 
 
@@ -93,12 +98,15 @@ def main() -> None:
     )
     parser.add_argument("--leaves", type=int, default=1000)
     parser.add_argument("--shapes", type=int, default=50)
+    parser.add_argument("--only", default="", help="modes whose name contains this")
     args = parser.parse_args()
     if args.what == "dedup":
         _dedup()
         return
     tree = _tree(args.kind, args.leaves, args.shapes)
     for name, fn in _modes(tree).items():
+        if args.only not in name:
+            continue
         print(f"{name:28s} {_measure(fn, tree)}", flush=True)
 
 
