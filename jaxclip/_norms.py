@@ -829,9 +829,9 @@ def _slice_unit_norms(
             unit_axes.append(a)
             combines.append(c)
     buckets = [
-        (members[at : at + BUCKET_MAX_LEAVES], width, c)
+        (chunk, width, c)
         for (_, width, c), members in groups.items()
-        for at in range(0, len(members), BUCKET_MAX_LEAVES)
+        for chunk in _bucket_chunks(members)
     ]
     for members, width, c in buckets:
         rows = []
@@ -1045,17 +1045,14 @@ def _unit_norms_body(
                 for x, a, b, c, unit, f in zip(units, axes, bucketed, combines, unit_ok, factors)
             ]
             return [finish(*flat) for flat in _stack(groups, sums, oks, ts)]
-        else:
-            parts = [
-                lax.cond(
-                    unit,
-                    lambda s=s: neutral(jnp.zeros_like(s)),
-                    functools.partial(rare, x, a, b, c, ok, None),
-                )
-                for x, a, b, c, ok, unit, s in zip(
-                    units, axes, bucketed, combines, oks, unit_ok, sums
-                )
-            ]
+        parts = [
+            lax.cond(
+                unit,
+                lambda s=s: neutral(jnp.zeros_like(s)),
+                functools.partial(rare, x, a, b, c, ok, None),
+            )
+            for x, a, b, c, ok, unit, s in zip(units, axes, bucketed, combines, oks, unit_ok, sums)
+        ]
         ms, es, ts = (list(v) for v in zip(*parts))
         return [finish(*flat) for flat in _stack(groups, sums, oks, ts, ms, es)]
 
@@ -1262,6 +1259,13 @@ def _concatenate_words_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Arra
     return _concatenate_words(parts), jnp.concatenate(dparts)
 
 
+def _bucket_chunks(members: list[Any]) -> list[list[Any]]:
+    """A bucket's members split into runs of at most :data:`BUCKET_MAX_LEAVES`."""
+    return [
+        members[at : at + BUCKET_MAX_LEAVES] for at in range(0, len(members), BUCKET_MAX_LEAVES)
+    ]
+
+
 def _units(
     leaves: Sequence[Array], combines: Sequence[Combine], bucket: bool
 ) -> tuple[list[Array], list[bool], list[Combine]]:
@@ -1279,11 +1283,7 @@ def _units(
         else:
             units.append(x)
             where.append(c)
-    chunks = [
-        (group[at : at + BUCKET_MAX_LEAVES], c)
-        for (_, c), group in buckets.items()
-        for at in range(0, len(group), BUCKET_MAX_LEAVES)
-    ]
+    chunks = [(chunk, c) for (_, c), group in buckets.items() for chunk in _bucket_chunks(group)]
     for group, c in chunks:
         units.append(group[0] if len(group) == 1 else _concatenate([g.ravel() for g in group]))
         where.append(c)
