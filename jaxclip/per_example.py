@@ -98,33 +98,55 @@ def _weights(scale: _norms.Scale) -> Array:
 def _contract(w: Array, x: Array) -> Array:
     """``sum_b w[b] * x[b]`` as one matrix-vector product, accumulated and returned in the
     accumulation dtype of ``x`` (float32 for 16-bit leaves) with no widened copy of ``x``.
-
-    XLA:CPU widens a bfloat16 operand of a mixed-precision dot into a float32 copy; a
-    bfloat16 dot accumulating in float32 does not, so ``w`` is split into three bfloat16
-    parts whose sum is ``w`` to 2**-26 (each part's product with ``x`` is exact in
-    float32). ``HIGHEST`` keeps float32 dots in float32 on GPU/TPU (no TF32/bf16 passes).
+    ``HIGHEST`` keeps float32 dots in float32 on GPU/TPU (no TF32/bf16 passes).
     """
     acc = _norms.acc_dtype(x.dtype)
-    high = lax.Precision.HIGHEST
     if not _norms._one_device(x):
         # A sharded batch axis (Explicit mesh axes): a contraction over it needs an output
         # sharding; a weighted sum over it (fused, no copy) is reduced across devices.
         kept = (x.shape[0],) + (1,) * (x.ndim - 1)
         return jnp.sum(w.astype(acc).reshape(kept) * x.astype(acc), axis=0)
     if jnp.iscomplexobj(x):
-        return lax.dot_general(w.astype(x.dtype), x, (((0,), (0,)), ((), ())), precision=high)
+        return lax.dot_general(w.astype(x.dtype), x, _BATCH, precision=lax.Precision.HIGHEST)
     if x.dtype == jnp.bfloat16:
-        w = w.astype(jnp.float32)
-        hi = w.astype(x.dtype)
-        r = w - hi.astype(jnp.float32)
-        mid = r.astype(x.dtype)
-        lo = (r - mid.astype(jnp.float32)).astype(x.dtype)
-        parts = jnp.stack([hi, mid, lo])
-        dims = (((1,), (0,)), ((), ()))
-        out = lax.dot_general(parts, x, dims, precision=high, preferred_element_type=acc)
-        return jnp.sum(out, 0)
-    dims = (((0,), (0,)), ((), ()))
-    return lax.dot_general(w.astype(acc), x, dims, precision=high, preferred_element_type=acc)
+        # Chosen per platform when lowering, like the reductions in _norms.
+        return lax.platform_dependent(w, x, cpu=_contract_split, default=_contract_wide)
+    return lax.dot_general(
+        w.astype(acc), x, _BATCH, precision=lax.Precision.HIGHEST, preferred_element_type=acc
+    )
+
+
+_BATCH = (((0,), (0,)), ((), ()))
+
+
+def _contract_wide(w: Array, x: Array) -> Array:
+    """The bfloat16 contraction off CPU: in float32, ``x`` converted inside the dot, which
+    XLA:GPU fuses. On an H100 the per-example bfloat16 MLP gradients of
+    ``benchmarks/bench_per_example.py`` (batch 64) then need 0.2 MB of temporaries, against
+    3.2 MB for :func:`_contract_split` (its three float32 outputs)."""
+    acc = _norms.acc_dtype(x.dtype)
+    high = lax.Precision.HIGHEST
+    return lax.dot_general(
+        w.astype(acc), x.astype(acc), _BATCH, precision=high, preferred_element_type=acc
+    )
+
+
+def _contract_split(w: Array, x: Array) -> Array:
+    """The bfloat16 contraction for XLA:CPU, which widens a bfloat16 operand of a
+    mixed-precision dot into a float32 copy; a bfloat16 dot accumulating in float32 does
+    not, so ``w`` is split into three bfloat16 parts whose sum is ``w`` to 2**-26 (each
+    part's product with ``x`` is exact in float32), summed after the dot."""
+    w = w.astype(jnp.float32)
+    hi = w.astype(x.dtype)
+    r = w - hi.astype(jnp.float32)
+    mid = r.astype(x.dtype)
+    lo = (r - mid.astype(jnp.float32)).astype(x.dtype)
+    parts = jnp.stack([hi, mid, lo])
+    dims = (((1,), (0,)), ((), ()))
+    out = lax.dot_general(
+        parts, x, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+    return jnp.sum(out, 0)
 
 
 def _per_example(

@@ -134,6 +134,25 @@ def test_low_precision_leaves():
             np.testing.assert_allclose(a, wl, rtol=tol, atol=tol * abs(wl).max())
 
 
+@pytest.mark.parametrize("which", ["_contract_split", "_contract_wide"])
+def test_bf16_contraction_both_strategies_match_float64(which):
+    """XLA:CPU lowers the split contraction and other platforms the widened one
+    (``lax.platform_dependent``); CI has only a CPU, so each is called here directly.
+    Factors like ``c / n`` (not bf16-representable), positive bf16 data over a wide range:
+    float32 rounding only (1.5-1.8e-7 of the sum here), against float64. A split that
+    dropped its third part would be 1.6e-6 off."""
+    from jaxclip import per_example
+
+    rng = np.random.default_rng(3)
+    w = rng.uniform(0.01, 1.0, size=(64,)).astype(np.float32)
+    x = np.abs(rng.normal(size=(64, 300))) * 10.0 ** rng.integers(-20, 20, size=(64, 1))
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16))
+    out = jax.jit(getattr(per_example, which))(w, x)
+    assert out.dtype == jnp.float32 and out.shape == (300,)
+    want = w.astype(np.float64) @ x.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=5e-7)
+
+
 def test_bf16_beyond_float32_squares_and_f32_extremes():
     # bf16 elements of 3e19: their squares overflow float32; every example has norm 6e19.
     g = {"w": jnp.full((B, 4), 3e19, jnp.bfloat16)}
