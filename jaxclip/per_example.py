@@ -135,8 +135,14 @@ def _contract_split(w: Array, x: Array) -> Array:
     """The bfloat16 contraction for XLA:CPU, which widens a bfloat16 operand of a
     mixed-precision dot into a float32 copy; a bfloat16 dot accumulating in float32 does
     not, so ``w`` is split into three bfloat16 parts whose sum is ``w`` to 2**-26 (each
-    part's product with ``x`` is exact in float32), summed after the dot."""
+    part's product with ``x`` is exact in float32), summed after the dot. Factors below
+    2**-100 (norms over ~1e30 times ``clip_norm``) are split as ``w * 2**24``, the sum
+    divided back: XLA:CPU flushes the float32 subnormals that their parts would be. Every
+    term ``w[b] * x[b]`` is at most ``clip_norm`` in norm, so the scaled ones stay finite."""
     w = w.astype(jnp.float32)
+    tiny = jnp.min(jnp.where(w > 0, w, 1)) < 2.0**-100
+    scale = jnp.where(tiny, jnp.float32(2.0**24), jnp.float32(1))
+    w = w * scale
     hi = w.astype(x.dtype)
     r = w - hi.astype(jnp.float32)
     mid = r.astype(x.dtype)
@@ -146,7 +152,7 @@ def _contract_split(w: Array, x: Array) -> Array:
     out = lax.dot_general(
         parts, x, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
     )
-    return jnp.sum(out, 0)
+    return jnp.sum(out, 0) / scale
 
 
 def _per_example(

@@ -151,6 +151,16 @@ def test_bf16_contraction_both_strategies_match_float64(which):
     assert out.dtype == jnp.float32 and out.shape == (300,)
     want = w.astype(np.float64) @ x.astype(np.float64)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=5e-7)
+    # Factors down to float32's normal range (norms ~1e37 times clip_norm): the split's
+    # parts would be subnormal, which XLA:CPU flushes (80% off in a cancelling sum).
+    x = np.asarray(jnp.asarray([[3e30, 1e30], [-2.9e30, 1e30]], jnp.bfloat16))
+    x64 = x.astype(np.float64)
+    for c in [1e-3, 1e-6]:
+        w = (c / np.linalg.norm(x64, axis=1)).astype(np.float32)
+        out = jax.jit(getattr(per_example, which))(w, x)
+        want = w.astype(np.float64) @ x64
+        bound = np.abs(w.astype(np.float64)) @ np.abs(x64)  # the cancelling sum's scale
+        np.testing.assert_array_less(np.abs(np.asarray(out, np.float64) - want), 2e-7 * bound)
 
 
 def test_bf16_beyond_float32_squares_and_f32_extremes():
