@@ -111,12 +111,17 @@ def _contract(w: Array, x: Array) -> Array:
     if x.dtype == jnp.bfloat16:
         # Chosen per platform when lowering, like the reductions in _norms.
         return lax.platform_dependent(w, x, cpu=_contract_split, default=_contract_wide)
-    return lax.dot_general(
-        w.astype(acc), x, _BATCH, precision=lax.Precision.HIGHEST, preferred_element_type=acc
-    )
+    return _dot(w, x)
 
 
 _BATCH = (((0,), (0,)), ((), ()))
+
+
+def _dot(w: Array, x: Array) -> Array:
+    """The contraction as one dot accumulating in ``x``'s accumulation dtype."""
+    acc = _norms.acc_dtype(x.dtype)
+    high = lax.Precision.HIGHEST
+    return lax.dot_general(w.astype(acc), x, _BATCH, precision=high, preferred_element_type=acc)
 
 
 def _contract_wide(w: Array, x: Array) -> Array:
@@ -124,11 +129,7 @@ def _contract_wide(w: Array, x: Array) -> Array:
     XLA:GPU fuses. On an H100 the per-example bfloat16 MLP gradients of
     ``benchmarks/bench_per_example.py`` (batch 64) then need 0.2 MB of temporaries, against
     3.2 MB for :func:`_contract_split` (its three float32 outputs)."""
-    acc = _norms.acc_dtype(x.dtype)
-    high = lax.Precision.HIGHEST
-    return lax.dot_general(
-        w.astype(acc), x.astype(acc), _BATCH, precision=high, preferred_element_type=acc
-    )
+    return _dot(w, x.astype(_norms.acc_dtype(x.dtype)))
 
 
 def _contract_split(w: Array, x: Array) -> Array:
@@ -152,7 +153,7 @@ def _contract_split(w: Array, x: Array) -> Array:
     out = lax.dot_general(
         parts, x, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
     )
-    return jnp.sum(out, 0) / scale
+    return jnp.sum(out, 0) * (1 / scale)  # exact: a power of two, one division
 
 
 def _per_example(
