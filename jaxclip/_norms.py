@@ -329,7 +329,8 @@ def _fused_reduce(x: Array, elem: Elem, s: Any, dims: tuple[int, ...], op: str) 
         lambda a, b: (combine(a[0], b[0]), jnp.minimum(a[1], b[1])),
         dims,
     )
-    return jnp.where(low >= 0, r, jnp.nan)
+    # lax, not jnp.where: a jitted function, a call per reduction in the program.
+    return lax.select(low >= 0, r, lax.full_like(r, jnp.nan))
 
 
 def _reduce(
@@ -469,7 +470,7 @@ def _rescaled(s: Array, ok: Array) -> Array:
     return _pow2(-_rescale(s, ok), s.dtype)
 
 
-def _rescale(s: Array, ok: Array) -> Array:
+def _rescale(s: Array, ok: Array | bool) -> Array:
     """The rare path of a 2-norm without a pass for the maxima: ``e`` per slice, from its
     plain sum of squares ``s``, such that ``sum (|x| 2**-e)**2`` is exact (0 where ``ok``).
 
@@ -639,6 +640,16 @@ def _root_norm(s: Array, p: float, e: Any = 0, mant: Array | None = None) -> Nor
     n = _from_root(r, e + whole)
     good = jnp.isfinite(s) & (s > 0)
     return Norm(jnp.where(good, n.frac, s), jnp.where(good, n.exp, 0))
+
+
+def _in_range_norm(s: Array, p: float) -> Norm:
+    """:func:`_root_norm` of sums in :func:`_exact_range`: for ``p`` of 1 or 2 the root
+    is a normal number, held as it is (a fraction of the scalar code)."""
+    if p == 1.0:
+        return Norm(s, jnp.zeros_like(s))
+    if p == 2.0:
+        return Norm(jnp.sqrt(s), jnp.zeros_like(s))
+    return _root_norm(s, p)
 
 
 def _special(m: Array, norm: Norm) -> Norm:
@@ -837,7 +848,9 @@ def _slice_unit_norms(
         rows = []
         for row, i in enumerate(members):
             x = leaves[i].ravel()
-            rows.append(x if x.size == width else jnp.pad(x, (0, width - x.size)))
+            # lax.pad: jnp.pad is a jitted function, one call per leaf in the program.
+            pad = [(0, width - x.size, 0)]
+            rows.append(x if x.size == width else lax.pad(x, np.zeros((), x.dtype), pad))
             where[i] = (len(units), row)
         units.append(_concatenate([r[None] for r in rows]))
         unit_axes.append((1,))
@@ -867,7 +880,7 @@ def _per_leaf(
         v = per_unit[u]
         if row >= 0:
             kept = (1,) * x.ndim  # a single-device row: lax.reshape needs no sharding
-            picked = [lax.reshape(lax.dynamic_index_in_dim(f, rows[i], 0), kept) for f in v]
+            picked = [lax.reshape(_pick(f, rows[i], 1), kept) for f in v]
             v = type(v)(*picked) if hasattr(v, "_fields") else tuple(picked)
         out.append(v)
     return out
@@ -1020,7 +1033,7 @@ def _unit_norms_body(
     groups = _stack_groups(sums)
 
     def fast() -> list[Norm]:
-        return [_root_norm(s, p) for (s,) in _stack(groups, sums)]
+        return [_in_range_norm(s, p) for (s,) in _stack(groups, sums)]
 
     def scaled() -> list[Norm]:
         # Per unit: only a unit with a slice out of range reads its data again: for p=2
@@ -1062,7 +1075,7 @@ def _unit_norms_body(
         return m, jnp.full_like(m, -jnp.inf), jnp.zeros_like(m)
 
     def finish(s: Array, ok: Array, t: Array, m: Array | None = None, e: Any = None) -> Norm:
-        f = _root_norm(s, p)
+        f = _in_range_norm(s, p)
         if m is None:  # p=2: t is the sum rescaled by 2**-e, e from s (see _rescale)
             n = _root_norm(t, p, _rescale(s, ok))
         else:
@@ -1143,12 +1156,18 @@ def _unstack(
     out = []
     for i, (g, _, size, shape) in enumerate(pieces):
         vs, tree = flat[g]
-        if i in offsets and size == 1:  # ~8x faster to trace than dynamic_slice_in_dim
-            vs = [lax.dynamic_index_in_dim(v, offsets[i], keepdims=False) for v in vs]
-        elif i in offsets:
-            vs = [lax.dynamic_slice_in_dim(v, offsets[i], size) for v in vs]
+        if i in offsets:
+            vs = [_pick(v, offsets[i], size) for v in vs]
         out.append(tree.unflatten([v if v.shape == shape else v.reshape(shape) for v in vs]))
     return out
+
+
+def _pick(v: Array, at: Any, size: int) -> Array:
+    """``v[at : at + size]`` (along the first axis) for an offset ``at >= 0``: one
+    dynamic slice (``lax.dynamic_index_in_dim`` is a jitted function: a call per use, a
+    thousand per tree, which XLA's passes then inline; negative offsets cost a select)."""
+    starts = (at, *(np.int32(0),) * (v.ndim - 1))
+    return lax.dynamic_slice(v, starts, (size, *v.shape[1:]), allow_negative_indices=False)
 
 
 def _opaque(values: Sequence[int], like: Array | None) -> list[Any]:
@@ -1433,13 +1452,20 @@ def _global_norm_body(
         # accumulation dtype from the plain sum (_rescale), else from the largest
         # magnitude m = f * 2**e.
         if blue:
-            m, e, mant = None, _rescale(s, ok), None
+            # Unbatched, the branch itself says the sum is out of range.
+            m, e, mant = None, _rescale(s, ok if shape else False), None
         else:
             ms = [_max_abs(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, rare)]
             m = _max_over(ms, combines, acc, shape)
             e, mant = _scale_of(m, p)
         # 2**-e per accumulation dtype (clamped: parts out of its range are negligible).
-        factors = {d: _factors(e, mant, d) for d in {acc_dtype(u.dtype) for u in units}}
+        # For a 2-norm in one dtype, 2**-e is one normal factor (see _rescale), out of a
+        # division: XLA copies cheap scalar ops into each unit's kernel, not a division.
+        factors = (
+            {acc: (1 / _pow2(e, acc),)}
+            if blue
+            else {d: _factors(e, mant, d) for d in {acc_dtype(u.dtype) for u in units}}
+        )
         # A second, separately fused read; the factors pass the barrier too, else XLA:CPU
         # materialises their broadcast to the leaves' shape.
         again, per_unit = _barrier(units, factors)
@@ -1457,11 +1483,11 @@ def _global_norm_body(
             return n
         # Examples in range keep the fast result: each one's norm, to the bit, does not
         # depend on the others in the batch.
-        f = _root_norm(s, p)
+        f = _in_range_norm(s, p)
         return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
 
     ok = _exact_range(s, narrow)
-    return lax.cond(jnp.all(ok) if shape else ok, lambda: _root_norm(s, p), scaled)
+    return lax.cond(jnp.all(ok) if shape else ok, lambda: _in_range_norm(s, p), scaled)
 
 
 _global_norm = jax.custom_jvp(_global_norm_impl, nondiff_argnums=(1, 2, 3, 4))

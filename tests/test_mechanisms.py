@@ -70,6 +70,32 @@ def test_thousand_leaf_clip_by_norm_buckets_its_reductions():
     np.testing.assert_allclose([got[k] for k in expected], list(expected.values()), rtol=2e-7)
 
 
+def _calls(fn, tree) -> int:
+    return jax.jit(fn).lower(tree).as_text(dialect="hlo").count(" call(")
+
+
+@pytest.mark.parametrize("mode", ["global", "norm", "adaptive"])
+def test_no_call_per_leaf(mode):
+    # jnp.pad, jnp.where and lax.dynamic_index_in_dim are jitted functions: each use is
+    # a call in the program, which XLA's passes inline. Per leaf, they made a third of a
+    # transformer's clip_by_norm compile (HLO passes 1.05 s -> 0.65 s without them).
+    def tree(n: int) -> dict[str, jax.Array]:
+        large = {f"w{i}": jnp.ones((128, 16 + i % 3)) for i in range(n)}
+        return large | {f"b{i}": jnp.ones((16 + i % 5,)) for i in range(2 * n)}
+
+    def fn(t):
+        agc = jaxclip.adaptive_clip(0.01)
+        return {
+            "global": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0)[0],
+            "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0)[0],
+            "adaptive": lambda g: agc.update(g, agc.init(t), t)[0],
+        }[mode]
+
+    small, large = tree(8), tree(24)
+    # The scalar maths' calls are a fixed number; 48 more leaves add none.
+    assert _calls(fn(large), large) == _calls(fn(small), small)
+
+
 def _kernel_sizes(fn, tree, shape: str) -> list[int]:
     """Instruction counts of the compiled fused computations that output ``shape``."""
     text = jax.jit(fn).lower(tree).compile().as_text()
