@@ -206,6 +206,11 @@ def _per_example(
     leaves = list(sel.leaves)
     for i, y in zip([*sel.indices, *rest], [*outs, *rest_outs]):
         leaves[i] = y
+    if reduce is not None:
+        done = {*sel.indices, *rest}
+        for i, x in enumerate(sel.leaves):
+            if i not in done:
+                leaves[i] = _reduce_other(x, sel.paths[i], fn)
     return (
         sel.treedef.unflatten(leaves),
         dict(zip(labels, norms)),
@@ -285,6 +290,25 @@ def _is_float(x: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
+def _reduce_other(x: Any, path: str, fn: str) -> Any:
+    """A leaf that is neither clipped nor summed, when the batch is reduced: a ``float0``
+    gradient (of an integer input, ``jax.grad(..., allow_int=True)``) loses its batch axis,
+    as the summed leaves do; an integer or boolean array is an error (passed through it
+    would keep the batch axis, and an optimizer would broadcast its param against it)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or _is_key(x):
+        return x
+    if dtype == jax.dtypes.float0:
+        return np.zeros(np.shape(x)[1:], dtype) if np.ndim(x) else x
+    raise ValueError(
+        f"jaxclip.{fn}: the leaf at {_tree.shown(path)} has dtype {dtype}; per-example "
+        "gradients are summed over the batch, which an integer or boolean leaf cannot be, "
+        "and passed through it would keep its batch axis. Take gradients with respect to "
+        "floating-point params only (with jax.grad(..., allow_int=True) an integer param's "
+        "gradient is float0, which is reduced), or leave the leaf out of the tree."
+    )
+
+
 def _finish(total: Array, dtype: Any, reduce: Reduce, batch: int | None) -> Array:
     """The accumulated sum as the mean when asked, rounded once into the leaf's dtype."""
     if reduce == "mean":
@@ -323,8 +347,9 @@ def clip_tree_per_example(
       clip_norm: the largest per-example norm, > 0.
       norm_type: ``p > 0`` or ``float('inf')``.
       need_clip: which leaves are clipped (see :func:`clip_by_value`); unselected
-        floating-point leaves are summed (averaged) without clipping, other leaves pass
-        through.
+        floating-point leaves are summed (averaged) without clipping, ``float0`` leaves
+        lose their batch axis, and an integer leaf is a ValueError when ``reduce`` is set
+        (with ``reduce=None`` other leaves pass through).
       group: a callable ``group(path, leaf) -> label``: each example is clipped per
         label, by the norm of that label's slices. ``group=lambda path, leaf: path``
         clips each layer on its own (``optax.per_example_layer_norm_clip`` with

@@ -303,6 +303,32 @@ def test_errors_name_the_leaf():
         tx.update(g, tx.init(params))
 
 
+def test_integer_and_float0_leaves_with_a_reduction():
+    # An integer param: jax.grad(allow_int=True) gives a float0 gradient, which loses its
+    # batch axis like every reduced leaf, so the update has the params' shapes.
+    params = {"w": jnp.ones((3,)), "step": jnp.zeros((2,), jnp.int32)}
+
+    def loss(p, x):
+        return jnp.sum(p["w"] * x) + 0.0 * jnp.sum(p["step"])
+
+    xs = jnp.arange(12.0).reshape(4, 3)
+    g = jax.vmap(jax.grad(loss, allow_int=True), in_axes=(None, 0))(params, xs)
+    assert g["step"].dtype == jax.dtypes.float0 and g["step"].shape == (4, 2)
+    tx = jaxclip.clip_per_example(1e6)
+    updates, _ = tx.update(g, tx.init(params), params)
+    assert updates["step"].dtype == jax.dtypes.float0 and updates["step"].shape == (2,)
+    np.testing.assert_allclose(updates["w"], np.mean(np.arange(12.0).reshape(4, 3), 0))
+    # An integer array cannot be summed: an error naming it, not its batch axis passed on.
+    bad = {**g, "step": jnp.zeros((4, 2), jnp.int32)}
+    with pytest.raises(ValueError, match=r"'step' has dtype int32.*float0"):
+        tx.update(bad, tx.init(params), params)
+    with pytest.raises(ValueError, match=r"'step' has dtype int32"):
+        jaxclip.clip_tree_per_example(bad, 1.0)
+    # Without a reduction the examples come back as they are, other leaves too.
+    kept, _ = jaxclip.clip_tree_per_example(bad, 1e6, reduce=None)
+    assert kept["step"].shape == (4, 2)
+
+
 @xla_cpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_no_per_example_copy_and_temp_within_optax(dtype):
