@@ -1559,6 +1559,8 @@ def _spread(v: Array, like: Array) -> Array:
     """``v`` broadcast (numpy's rules) to the shape and sharding of ``like``."""
     if v.shape == like.shape:
         return v
+    if v.ndim and v.size == 1:  # one value (a whole leaf's): one broadcast, not three ops
+        v = lax.reshape(v, ())
     dims = tuple(range(like.ndim - v.ndim, like.ndim))
     return lax.broadcast_in_dim(v, like.shape, dims, out_sharding=jax.typeof(like).sharding)
 
