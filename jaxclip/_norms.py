@@ -1555,7 +1555,7 @@ def clip_scale(norm: Norm | Array, clip_norm: Any) -> Scale:
     return Scale(f1 == 0, f0, f1)
 
 
-def _spread(v: Array, like: Array) -> Array:
+def spread(v: Array, like: Array) -> Array:
     """``v`` broadcast (numpy's rules) to the shape and sharding of ``like``."""
     if v.shape == like.shape:
         return v
@@ -1574,9 +1574,9 @@ def apply_scale(x: Array, scale: Scale) -> Array:
         return jnp.where(scale.keep, x, (x * f0 * f1).astype(x.dtype))
     # lax, not jnp: this runs once per leaf, and jnp's wrappers cost ~1 ms of tracing
     # each (a thousand-leaf tree's trace is mostly such calls).
-    f0, f1 = (_spread(lax.convert_element_type(f, acc), x) for f in scale[1:])
+    f0, f1 = (spread(lax.convert_element_type(f, acc), x) for f in scale[1:])
     y = lax.mul(lax.mul(lax.convert_element_type(x, acc), f0), f1)
-    keep = _spread(jnp.asarray(scale.keep), x)
+    keep = spread(jnp.asarray(scale.keep), x)
     return lax.select(keep, x, lax.convert_element_type(y, x.dtype))
 
 

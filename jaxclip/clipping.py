@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from jaxclip import _checks, _norms, _tree
 from jaxclip._checks import Axes, NormType
@@ -112,13 +113,19 @@ def clip_tree_by_value(
         for name, bound in (("max", hi), ("min", lo)):
             _checks.check_bound_shape(bound, name, x, path, "clip_tree_by_value")
 
+    per_dtype: dict[Any, tuple[Array, Array]] = {}  # the bounds, converted once per dtype
+
     def clip(x: Array) -> Array:
         x = jnp.asarray(x)
-        lo_x, hi_x = jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype)
+        if x.dtype not in per_dtype:
+            per_dtype[x.dtype] = (jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype))
+        lo_x, hi_x = (_norms.spread(b, x) for b in per_dtype[x.dtype])
         # Selects, not min/max: values inside the bounds (subnormals too, which XLA:CPU's
-        # min/max flush to zero) come back bit for bit; NaN stays NaN.
-        inside = (x >= lo_x) & (x <= hi_x)
-        return jnp.where(inside | jnp.isnan(x), x, jnp.clip(x, lo_x, hi_x))
+        # min/max flush to zero) come back bit for bit; NaN stays NaN. (Simpler selects
+        # LLVM turns back into min/max.) lax, not jnp.where and jnp.clip: jitted
+        # functions, two calls per leaf in the program.
+        keep = lax.bitwise_or(lax.bitwise_and(lax.ge(x, lo_x), lax.le(x, hi_x)), lax.ne(x, x))
+        return lax.select(keep, x, lax.min(lax.max(x, lo_x), hi_x))
 
     return sel.rebuild([clip(x) for x in sel.chosen])
 
