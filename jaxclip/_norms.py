@@ -947,10 +947,12 @@ def clip_slices(
     leaf_norms = _per_leaf(leaves, norms, where)  # read only by the derivative rule
     per_leaf = stacked(factors, [n.frac for n in norms], [n.exp for n in norms], where=where)
     cs = {n.frac.dtype: _as(clip_norm, n) for n in norms}
-    out, values = [], []
-    for x, a, (value, *scale), n in zip(leaves, axes, per_leaf, leaf_norms):
-        out.append(clip_apply(x, Scale(*scale), n, cs[n.frac.dtype]))
-        values.append(value.reshape(()) if a is None else jnp.squeeze(value, axis=a))
+    scales = [Scale(*scale) for _, *scale in per_leaf]
+    out = clip_all(leaves, scales, leaf_norms, [cs[n.frac.dtype] for n in leaf_norms])
+    values = [
+        value.reshape(()) if a is None else jnp.squeeze(value, axis=a)
+        for a, (value, *_) in zip(axes, per_leaf)
+    ]
     return out, values
 
 
@@ -1581,17 +1583,42 @@ def apply_scale(x: Array, scale: Scale) -> Array:
 
 
 @jax.custom_jvp
-def _clipped(x: Array, keep: Array, f0: Array, f1: Array, frac: Array, exp: Array, c: Array):
-    """:func:`apply_scale` of the scale of norm ``frac * 2**exp`` and clip norm ``c``,
-    differentiated as one step (see :func:`clip_apply`)."""
-    return apply_scale(x, Scale(keep, f0, f1))
+def _clipped(
+    xs: tuple[Array, ...],
+    keeps: tuple[Array, ...],
+    f0s: tuple[Array, ...],
+    f1s: tuple[Array, ...],
+    fracs: tuple[Array, ...],
+    exps: tuple[Array, ...],
+    cs: tuple[Array, ...],
+) -> list[Array]:
+    """:func:`apply_scale` of each array by the scale of its norm ``frac * 2**exp`` and
+    clip norm ``c``, differentiated as one step (see :func:`clip_all`)."""
+    return [apply_scale(x, Scale(k, a, b)) for x, k, a, b in zip(xs, keeps, f0s, f1s)]
 
 
 @_clipped.defjvp
-def _clipped_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
-    x, keep, f0, f1, frac, exp, c = primals
-    dx, _, _, _, dfrac, _, dc = tangents
-    out = apply_scale(x, Scale(keep, f0, f1))
+def _clipped_jvp(primals: tuple, tangents: tuple) -> tuple[list[Array], list[Array]]:
+    outs, ts = [], []
+    for x, keep, f0, f1, frac, exp, c, dx, dfrac, dc in zip(
+        *primals, tangents[0], tangents[4], tangents[6]
+    ):
+        outs.append(apply_scale(x, Scale(keep, f0, f1)))
+        ts.append(_clipped_tangent(x, keep, f0, f1, Norm(frac, exp), c, dx, dfrac, dc))
+    return outs, ts
+
+
+def _clipped_tangent(
+    x: Array,
+    keep: Array,
+    f0: Array,
+    f1: Array,
+    n: Norm,
+    c: Array,
+    dx: Array,
+    dfrac: Array,
+    dc: Array,
+) -> Array:
     acc = acc_dtype(x.dtype)
 
     def wide(v: Array) -> Array:
@@ -1601,19 +1628,37 @@ def _clipped_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
     # unscaled): the chain rule through the factor would form sum(x * ct), which
     # overflows for large x, and dn/n, which underflows. Where x is kept the factors are
     # replaced by 1, so that no inf * 0 reaches the transpose (c = inf: f0 = inf, f1 = 0).
-    x_n = _over_norm(wide(x), Norm(frac, exp))
+    x_n = _over_norm(wide(x), n)
     f0s, f1s = jnp.where(keep, 1, f0).astype(acc), jnp.where(keep, 1, f1).astype(acc)
-    dn = jnp.where(keep, 0, ldexp(dfrac, exp))
+    dn = jnp.where(keep, 0, ldexp(dfrac, n.exp))
     dcs = jnp.where(keep | (c < 0), 0, dc)
     t = (wide(dx) - x_n * dn) * f0s * f1s + x_n * dcs
-    return out, jnp.where(keep, dx, t.astype(x.dtype))
+    return jnp.where(keep, dx, t.astype(x.dtype))
+
+
+def clip_all(
+    xs: Sequence[Array], scales: Sequence[Scale], norms: Sequence[Norm], clip_norms: Sequence[Any]
+) -> list[Array]:
+    """``apply_scale(x, scale)`` of each array, for ``scale = clip_scale(norm, clip_norm)``,
+    with derivatives that stay finite where ``x`` or the norm are near the dtype's largest
+    value and where ``clip_norm`` is infinite. One ``custom_jvp`` for all the arrays: one
+    per array cost ~0.7 ms of tracing each (0.7 s on a thousand leaves)."""
+    if not xs:
+        return []
+    return _clipped(
+        tuple(xs),
+        tuple(s.keep for s in scales),
+        tuple(s.f0 for s in scales),
+        tuple(s.f1 for s in scales),
+        tuple(n.frac for n in norms),
+        tuple(n.exp for n in norms),
+        tuple(_as(c, n) for c, n in zip(clip_norms, norms)),
+    )
 
 
 def clip_apply(x: Array, scale: Scale, norm: Norm, clip_norm: Any) -> Array:
-    """``apply_scale(x, scale)`` for ``scale = clip_scale(norm, clip_norm)``, with
-    derivatives that stay finite where ``x`` or the norm are near the dtype's largest
-    value and where ``clip_norm`` is infinite."""
-    return _clipped(x, scale.keep, scale.f0, scale.f1, norm.frac, norm.exp, _as(clip_norm, norm))
+    """:func:`clip_all` of one array."""
+    return clip_all([x], [scale], [norm], [clip_norm])[0]
 
 
 def _as(clip_norm: Any, norm: Norm) -> Array:
@@ -1633,7 +1678,7 @@ def rescale(xs: Sequence[Array], norm: Norm | Array, clip_norm: Any) -> list[Arr
         norm = as_norm(jnp.asarray(norm))
     scale = clip_scale(norm, clip_norm)
     c = _as(clip_norm, norm)
-    return [clip_apply(x, scale, norm, c) for x in xs]
+    return clip_all(xs, [scale] * len(xs), [norm] * len(xs), [c] * len(xs))
 
 
 @jax.jit
@@ -1655,7 +1700,7 @@ def rescale_each(xs: Sequence[Array], norms: Sequence[Norm], clip_norms: Any) ->
         [n.exp for n in norms],
         cs,
     )
-    return [clip_apply(x, sc, n, c) for x, sc, n, c in zip(xs, scales, norms, cs)]
+    return clip_all(xs, scales, norms, cs)
 
 
 def raise_if_nonfinite(values: Sequence[Array], names: Sequence[str]) -> None:
