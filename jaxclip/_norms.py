@@ -1656,11 +1656,6 @@ def clip_all(
     )
 
 
-def clip_apply(x: Array, scale: Scale, norm: Norm, clip_norm: Any) -> Array:
-    """:func:`clip_all` of one array."""
-    return clip_all([x], [scale], [norm], [clip_norm])[0]
-
-
 def _as(clip_norm: Any, norm: Norm) -> Array:
     """``clip_norm`` as an array of the norm's dtype; as it is when it already is one
     (callers convert once for many leaves: ``jnp.asarray`` costs ~0.3 ms of tracing)."""

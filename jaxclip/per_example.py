@@ -264,11 +264,13 @@ def _arrays(
         for i in group:
             scales[i], parts[i] = scale, n
     if reduce is None:
-        outs = []
+        shaped: list[tuple[Any, Any]] = []
         for x, s, n in zip(xs, scales, parts):
             kept = (x.shape[0],) + (1,) * (x.ndim - 1)
-            s, n = (type(v)(*(f.reshape(kept) for f in v)) for v in (s, n))
-            outs.append(_norms.clip_apply(x, s, n, clip_norm))
+            shaped.append(tuple(type(v)(*(f.reshape(kept) for f in v)) for v in (s, n)))
+        outs = _norms.clip_all(
+            xs, [s for s, _ in shaped], [n for _, n in shaped], [clip_norm] * len(xs)
+        )
         return outs, list(rest), norms, fractions
     keys = [None] * len(xs) if key is None else list(jax.random.split(key, len(xs)))
     outs = []
