@@ -1026,13 +1026,19 @@ def _unit_norms_body(
     sums = [
         _psum(_power_sum(x, p, a, nat), c) for x, a, nat, c in zip(units, axes, natives, combines)
     ]
-    oks = [_exact_range(s, acc) for s, acc in zip(sums, accs)]
-    # Per unit, whether all its slices are in range (a whole leaf's flag as it is).
-    unit_ok = [jnp.all(ok) if ok.size > 1 else ok.reshape(()) for ok in oks]
-    all_ok = jnp.all(jnp.stack(unit_ok))
     # Both branches return the stacked vectors, split after the cond: split inside, each
     # unit's slice would be a kernel recomputing the whole vector's maths.
     groups = _stack_groups(sums)
+    # One flag from the stacked sums; the per-unit flags only inside the rare branch
+    # (as operands of the cond they were two kernels per unit run on every call).
+    all_ok = functools.reduce(
+        jnp.logical_and, [jnp.all(_exact_range(v, v.dtype)) for (v,) in _stack(groups, sums)]
+    )
+
+    def flags() -> tuple[list[Array], list[Array]]:
+        """Per slice whether its sum is in range, and per unit whether all are."""
+        oks = [_exact_range(s, acc) for s, acc in zip(sums, accs)]
+        return oks, [jnp.all(ok) if ok.size > 1 else ok.reshape(()) for ok in oks]
 
     def fast() -> list[Norm]:
         return [_in_range_norm(s, p) for (s,) in _stack(groups, sums)]
@@ -1042,6 +1048,7 @@ def _unit_norms_body(
         # its sums rescaled (_rescale), else its maxima, then (unless those slices are all
         # zeros) a scaled sum.
         # For p=2 the factors of every unit are one set of kernels.
+        oks, unit_ok = flags()
         if p == 2.0:
             factors = stacked(_rescaled, sums, oks)
             # Branches as operand functions, one per (axes, bucketed, combine): JAX
