@@ -814,6 +814,7 @@ def _slice_unit_norms(
     bucket: bool,
     axis_name: AxisName,
     paths: tuple[str, ...] | None,
+    static_split: bool = False,
 ) -> tuple[list[Norm], list[tuple[int, int]]]:
     """The norms of the reduced units (leaves, or buckets of small leaves as rows), and
     per leaf ``(unit, row)`` (row -1 for a whole unit)."""
@@ -857,7 +858,9 @@ def _slice_unit_norms(
         combines.append(c)
     bucketed = (False,) * (len(units) - len(buckets)) + (True,) * len(buckets)
     norms = (
-        _unit_norms(tuple(units), p, tuple(unit_axes), bucketed, tuple(combines)) if units else []
+        _unit_norms(tuple(units), p, tuple(unit_axes), bucketed, tuple(combines), static_split)
+        if units
+        else []
     )
     return norms, where
 
@@ -938,16 +941,18 @@ def clip_slices(
       ``(clipped, norms)``: the scaled leaves, and per leaf its norms with the ``axes``
       dimensions removed (a scalar for a whole leaf).
     """
-    norms, where = _slice_unit_norms(leaves, p, axes, bucket, axis_name, paths)
+    # The unit norms are split at constant offsets and stacked again right here, which XLA
+    # folds away (split at opaque offsets, two kernels per unit ran on every call).
+    norms, where = _slice_unit_norms(leaves, p, axes, bucket, axis_name, paths, True)
 
     def factors(frac: Array, exp: Array) -> tuple[Array, ...]:
         n = Norm(frac, exp)
-        return (n.value, *clip_scale(n, clip_norm))
+        return (n.value, *clip_scale(n, clip_norm), frac, exp)
 
-    leaf_norms = _per_leaf(leaves, norms, where)  # read only by the derivative rule
     per_leaf = stacked(factors, [n.frac for n in norms], [n.exp for n in norms], where=where)
+    scales = [Scale(*f[1:4]) for f in per_leaf]
+    leaf_norms = [Norm(*f[4:]) for f in per_leaf]  # read only by the derivative rule
     cs = {n.frac.dtype: _as(clip_norm, n) for n in norms}
-    scales = [Scale(*scale) for _, *scale in per_leaf]
     out = clip_all(leaves, scales, leaf_norms, [cs[n.frac.dtype] for n in leaf_norms])
     values = [
         value.reshape(()) if a is None else jnp.squeeze(value, axis=a)
@@ -962,12 +967,16 @@ def _unit_norms_impl(
     axes: tuple[Axes, ...],
     bucketed: tuple[bool, ...],
     combines: tuple[Combine, ...],
+    static_split: bool,
 ) -> list[Norm]:
     """Norms over ``axes`` (keepdims) of each array, overflow-safe, with one shared cond;
-    partial norms combined over each array's mapped axes (per-slice vectors, no data)."""
+    partial norms combined over each array's mapped axes (per-slice vectors, no data).
+    With ``static_split`` the norms are split out of their stacked vectors at constant
+    offsets: for a caller that stacks them again (XLA folds the pair away), not for one
+    whose per-leaf kernels read them (each would be a kernel of its own)."""
     if _has_unmapped(combines):
-        return _unit_norms_body(units, p, axes, bucketed, combines)
-    return _batchable_unit_norms(p, axes, bucketed, combines)(units)
+        return _unit_norms_body(units, p, axes, bucketed, combines, static_split)
+    return _batchable_unit_norms(p, axes, bucketed, combines, static_split)(units)
 
 
 def _broadcast_unbatched(
@@ -980,14 +989,18 @@ def _broadcast_unbatched(
 
 @functools.cache
 def _batchable_unit_norms(
-    p: float, axes: tuple[Axes, ...], bucketed: tuple[bool, ...], combines: tuple[Combine, ...]
+    p: float,
+    axes: tuple[Axes, ...],
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+    static_split: bool,
 ) -> Callable[[tuple[Array, ...]], list[Norm]]:
     """Per-slice norms with their own ``vmap`` rule: the batch axis is one more kept
     axis, so the cond stays unbatched (a batched cond would run both branches)."""
 
     @jax.custom_batching.custom_vmap
     def norms(units: tuple[Array, ...]) -> list[Norm]:
-        return _unit_norms_body(units, p, axes, bucketed, combines)
+        return _unit_norms_body(units, p, axes, bucketed, combines, static_split)
 
     @norms.def_vmap
     def rule(size: int, in_batched: Any, units: tuple[Array, ...]) -> tuple[list[Norm], Any]:
@@ -996,7 +1009,7 @@ def _batchable_unit_norms(
             tuple(range(1, u.ndim)) if a is None else tuple(d + 1 for d in a)
             for u, a in zip(units, axes)
         )
-        out = _unit_norms_body(units, p, shifted, bucketed, combines)
+        out = _unit_norms_body(units, p, shifted, bucketed, combines, static_split)
         return out, [Norm._make((True, True)) for _ in out]
 
     return norms
@@ -1008,6 +1021,7 @@ def _unit_norms_body(
     axes: tuple[Axes, ...],
     bucketed: tuple[bool, ...],
     combines: tuple[Combine, ...],
+    static_split: bool = False,
 ) -> list[Norm]:
     natives = [_native(x, b, p=p) for x, b in zip(units, bucketed)]
     accs = [acc_dtype(x.dtype) for x in units]
@@ -1105,7 +1119,8 @@ def _unit_norms_body(
 
         return lax.cond(jnp.all(ok | (m == 0)), functools.partial(neutral, m), parts)
 
-    return _unstack(lax.cond(all_ok, fast, scaled), groups, [v.shape for v in sums])
+    shapes = [v.shape for v in sums]
+    return _unstack(lax.cond(all_ok, fast, scaled), groups, shapes, static=static_split)
 
 
 Groups = list[list[int]]
@@ -1142,6 +1157,7 @@ def _unstack(
     groups: Groups,
     shapes: Sequence[Shape],
     where: Sequence[tuple[int, int]] | None = None,
+    static: bool = False,
 ) -> list[Any]:
     """Per array, its part of its group's result (a pytree of stacked vectors), sliced at
     offsets XLA cannot see as constants (:func:`_opaque`). With ``where`` (per leaf: its
@@ -1161,7 +1177,10 @@ def _unstack(
     flat = [jax.tree.flatten(r) for r in results]
     sliced = [i for i, (g, _, _, _) in enumerate(pieces) if len(groups[g]) > 1 or where[i][1] >= 0]
     like = flat[pieces[sliced[0]][0]][0][0] if sliced else None
-    offsets = dict(zip(sliced, _opaque([pieces[i][1] for i in sliced], like)))
+    at_of = [pieces[i][1] for i in sliced]
+    offsets = dict(
+        zip(sliced, list(np.asarray(at_of, np.int32)) if static else _opaque(at_of, like))
+    )
     out = []
     for i, (g, _, size, shape) in enumerate(pieces):
         vs, tree = flat[g]
@@ -1210,15 +1229,21 @@ def stacked(
     return _unstack(results, groups, [v.shape for v in lists[0]], where)
 
 
-_unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(1, 2, 3, 4))
+_unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(1, 2, 3, 4, 5))
 
 
 @_unit_norms.defjvp
 def _unit_norms_rule(
-    p: float, axes: tuple, bucketed: tuple, combines: tuple, primals: tuple, tangents: tuple
+    p: float,
+    axes: tuple,
+    bucketed: tuple,
+    combines: tuple,
+    static_split: bool,
+    primals: tuple,
+    tangents: tuple,
 ):
     (units,), (dunits,) = primals, tangents
-    norms = _unit_norms(units, p, axes, bucketed, combines)
+    norms = _unit_norms(units, p, axes, bucketed, combines, static_split)
     outs = [
         _dnorm(n, _psum(_tangent(x, dx, n, p, a), c))
         for x, dx, n, a, c in zip(units, dunits, norms, axes, combines)
