@@ -1160,9 +1160,9 @@ def _unstack(
     static: bool = False,
 ) -> list[Any]:
     """Per array, its part of its group's result (a pytree of stacked vectors), sliced at
-    offsets XLA cannot see as constants (:func:`_opaque`). With ``where`` (per leaf: its
-    array, and its row of that array or -1, see :func:`_per_leaf`), per leaf instead: a
-    row as a scalar, at one opaque offset too."""
+    offsets XLA cannot see as constants (:func:`_opaque`; constants with ``static``).
+    With ``where`` (per leaf: its array, and its row of that array or -1, see
+    :func:`_per_leaf`), per leaf instead: a row as a scalar, at one opaque offset too."""
     where = where or [(i, -1) for i in range(len(shapes))]
     group_of = {i: g for g, members in enumerate(groups) for i in members}
     at: dict[int, int] = {}  # each array's offset in its group's vectors
@@ -1177,10 +1177,9 @@ def _unstack(
     flat = [jax.tree.flatten(r) for r in results]
     sliced = [i for i, (g, _, _, _) in enumerate(pieces) if len(groups[g]) > 1 or where[i][1] >= 0]
     like = flat[pieces[sliced[0]][0]][0][0] if sliced else None
+    # _opaque gives plain constants without ``like``.
     at_of = [pieces[i][1] for i in sliced]
-    offsets = dict(
-        zip(sliced, list(np.asarray(at_of, np.int32)) if static else _opaque(at_of, like))
-    )
+    offsets = dict(zip(sliced, _opaque(at_of, None if static else like)))
     out = []
     for i, (g, _, size, shape) in enumerate(pieces):
         vs, tree = flat[g]
