@@ -378,7 +378,7 @@ def value_bounds(max_value: Any, min_value: Any, fn: str = "clip_by_value") -> t
                     f"so max must be > 0{' everywhere' if ok.ndim else ''}{_first_bad(ok)}; pass "
                     "min explicitly for another range."
                 )
-        return -hi, hi
+        return (-hi if vmax is None else -vmax), hi  # concrete stays concrete under jit
     lo, vmin = _as_bound(min_value, "min", fn)
     try:
         np.broadcast_shapes(np.shape(lo), np.shape(hi))

@@ -97,11 +97,13 @@ def shown(path: str) -> str:
     return repr(path) if path else "the root of the tree"
 
 
-def leaf_dtype(leaf: Any, path: str) -> np.dtype:
+def leaf_dtype(leaf: Any, path: str) -> Any:
     """The dtype of an array-like leaf, or a TypeError naming its path."""
     dtype = getattr(leaf, "dtype", None)
     if dtype is not None:
-        return np.dtype(dtype)
+        # A typed PRNG key's dtype (key<fry>) is JAX's own, not numpy's: not inexact, so
+        # never selected by default, and a TypeError naming the leaf if asked for.
+        return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
     try:
         return np.dtype(jnp.result_type(leaf))
     except TypeError as e:

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -113,21 +114,52 @@ def clip_tree_by_value(
         for name, bound in (("max", hi), ("min", lo)):
             _checks.check_bound_shape(bound, name, x, path, "clip_tree_by_value")
 
-    per_dtype: dict[Any, tuple[Array, Array]] = {}  # the bounds, converted once per dtype
+    per_dtype: dict[Any, tuple[tuple[Array, Array], bool]] = {}  # the bounds, once per dtype
 
     def clip(x: Array) -> Array:
         x = jnp.asarray(x)
         if x.dtype not in per_dtype:
-            per_dtype[x.dtype] = (jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype))
-        lo_x, hi_x = (_norms.spread(b, x) for b in per_dtype[x.dtype])
-        # Selects, not min/max: values inside the bounds (subnormals too, which XLA:CPU's
-        # min/max flush to zero) come back bit for bit; NaN stays NaN. (Simpler selects
-        # LLVM turns back into min/max.) lax, not jnp.where and jnp.clip: jitted
-        # functions, two calls per leaf in the program.
-        keep = lax.bitwise_or(lax.bitwise_and(lax.ge(x, lo_x), lax.le(x, hi_x)), lax.ne(x, x))
-        return lax.select(keep, x, lax.min(lax.max(x, lo_x), hi_x))
+            b = (jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype))
+            per_dtype[x.dtype] = (b, not all(_normal_bound(v, x.dtype) for v in (lo, hi)))
+        (lo_d, hi_d), by_keys = per_dtype[x.dtype]
+        lo_x, hi_x = _norms.spread(lo_d, x), _norms.spread(hi_d, x)
+        # XLA:CPU's float compares and min/max treat subnormals as 0. Against a bound of
+        # normal magnitude that changes no comparison; against a zero, subnormal or traced
+        # one it would (min=0 let -1e-40 through), so those compare integer keys. Values
+        # inside the bounds come back bit for bit, NaN stays NaN. lax, not jnp.where and
+        # jnp.clip: jitted functions, two calls per leaf in the program.
+        # (This form of the select: simpler ones LLVM turns back into a flushing min/max.)
+        if by_keys:
+            k, klo, khi = _order_key(x), _order_key(lo_x), _order_key(hi_x)
+            inside = lax.bitwise_and(lax.ge(k, klo), lax.le(k, khi))
+            out = lax.select(lax.lt(k, klo), lo_x, hi_x)
+        else:
+            inside = lax.bitwise_and(lax.ge(x, lo_x), lax.le(x, hi_x))
+            out = lax.min(lax.max(x, lo_x), hi_x)
+        return lax.select(lax.bitwise_or(inside, lax.ne(x, x)), x, out)
 
     return sel.rebuild([clip(x) for x in sel.chosen])
+
+
+def _normal_bound(bound: ArrayLike, dtype: Any) -> bool:
+    """Whether a value bound is concrete and, in ``dtype``, of normal (or infinite)
+    magnitude everywhere (not traced, e.g. by ``optax.inject_hyperparams``)."""
+    v = _checks.concrete(bound)
+    if v is None:
+        return False
+    mag = np.abs(v.astype(dtype).astype(np.float64))
+    return bool(np.all(mag >= float(jnp.finfo(dtype).tiny)))
+
+
+def _order_key(x: Array) -> Array:
+    """Integers in the order of the float values of ``x`` (-0 and +0 alike; NaN at the ends).
+
+    Sign and magnitude bits become a signed integer, so the comparison is exact on every
+    backend, subnormals included.
+    """
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"int{x.dtype.itemsize * 8}"))
+    mag = lax.bitwise_and(bits, jnp.asarray(jnp.iinfo(bits.dtype).max, bits.dtype))
+    return lax.select(lax.lt(bits, jnp.zeros((), bits.dtype)), lax.neg(mag), mag)
 
 
 def clip_tree_by_norm(

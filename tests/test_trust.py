@@ -161,3 +161,47 @@ def test_no_widened_copy_of_bfloat16_for_fractional_norm_types(p):
     f = jax.jit(lambda t: jaxclip.clip_tree_by_global_norm(t, 1.0, norm_type=p))
     temp = f.lower(g).compile().memory_analysis().temp_size_in_bytes
     assert temp <= 0.02 * g[0].nbytes, temp  # an f32 copy would be 200%
+
+
+_VALUE_CLIP = jax.jit(lambda x, lo, hi: jaxclip.clip_tree_by_value(x, hi, lo))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("jit", [False, True])
+def test_value_bounds_hold_for_subnormals(dtype, jit):
+    """XLA:CPU's float compares treat subnormals as 0: min=0 let -1e-40 through, and
+    min = max = 1e-40 let 0 and 2e-40 through (hostile review of 2026-11-23)."""
+    fi = jnp.finfo(dtype)
+    sub = float(fi.smallest_subnormal)
+    tiny, big = float(fi.tiny), float(fi.max)
+    small = [-3 * sub, -sub, -0.0, 0.0, sub, 2 * sub, 3 * sub, tiny, -tiny]
+    xs = np.array([*small, 1.0, -1.0, big, -big, np.inf, -np.inf, np.nan]).astype(dtype)
+    # Bounds of normal magnitude take float compares, the others integer keys.
+    bounds = [(0.0, 1.0), (sub, sub), (2 * sub, 1.0), (-sub, sub), (-1.0, -sub), (-0.0, 0.0)]
+    bounds += [(-1.0, 1.0), (tiny, 1.0), (-1.0, -tiny), (-np.inf, tiny)]
+    for lo, hi in bounds:
+        lo_d, hi_d = np.asarray(lo).astype(dtype), np.asarray(hi).astype(dtype)
+        fn = _VALUE_CLIP if jit else (lambda x, a, b: jaxclip.clip_tree_by_value(x, b, a))
+        out = np.asarray(fn(jnp.asarray(xs), lo_d, hi_d)).astype(np.float64)
+        x64, lo64, hi64 = (np.asarray(v).astype(np.float64) for v in (xs, lo_d, hi_d))
+        want = np.where(x64 < lo64, lo64, np.where(x64 > hi64, hi64, x64))  # NaN stays
+        np.testing.assert_array_equal(out, want, err_msg=f"bounds {lo, hi}")
+        inside = (x64 >= lo64) & (x64 <= hi64)  # returned bit for bit, -0.0 included
+        np.testing.assert_array_equal(np.signbit(out[inside]), np.signbit(x64[inside]))
+
+
+def test_typed_prng_key_leaves_pass_through():
+    """A typed key leaf crashed every mode (``Cannot interpret 'key<fry>' as a data type``)."""
+    key = jax.random.key(0)
+    tree = {"w": jnp.full(3, 3.0), "k": key}
+    out, norm = jaxclip.clip_tree_by_global_norm(tree, 1.0)
+    np.testing.assert_allclose(norm, math.sqrt(27.0), rtol=1e-6)
+    assert out["k"] is key
+    assert jaxclip.clip_tree_by_value(tree, 1.0)["k"] is key
+    assert jaxclip.clip_tree_by_norm(tree, 1.0)[1]["k"] is None
+    keys = jax.random.split(key, 4)
+    out, norms = jaxclip.clip_tree_per_example({"w": jnp.ones((4, 3)), "k": keys}, 1.0)
+    np.testing.assert_allclose(out["w"], 4 / math.sqrt(3.0), rtol=1e-6)
+    assert out["k"] is keys and norms.shape == (4,)
+    with pytest.raises(TypeError, match="'k' has dtype key<fry>"):
+        jaxclip.global_norm(tree, need_clip={"w": True, "k": True})
