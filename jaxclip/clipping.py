@@ -122,21 +122,25 @@ def clip_tree_by_value(
             b = (jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype))
             per_dtype[x.dtype] = (b, not all(_normal_bound(v, x.dtype) for v in (lo, hi)))
         (lo_d, hi_d), by_keys = per_dtype[x.dtype]
-        lo_x, hi_x = _norms.spread(lo_d, x), _norms.spread(hi_d, x)
-        # XLA:CPU's float compares and min/max treat subnormals as 0. Against a bound of
-        # normal magnitude that changes no comparison; against a zero, subnormal or traced
-        # one it would (min=0 let -1e-40 through), so those compare integer keys. Values
-        # inside the bounds come back bit for bit, NaN stays NaN. lax, not jnp.where and
-        # jnp.clip: jitted functions, two calls per leaf in the program.
-        # (This form of the select: simpler ones LLVM turns back into a flushing min/max.)
+        # lax, not jnp.where and jnp.clip: jitted functions, two calls per leaf in the
+        # program. Values inside the bounds come back bit for bit, NaN stays NaN.
         if by_keys:
+            # XLA:CPU's float compares treat subnormals as 0, which against a zero,
+            # subnormal or traced bound changes the answer (min=0 let -1e-40 through).
+            lo_x, hi_x = _norms.spread(lo_d, x), _norms.spread(hi_d, x)
             k, klo, khi = _order_key(x), _order_key(lo_x), _order_key(hi_x)
             inside = lax.bitwise_and(lax.ge(k, klo), lax.le(k, khi))
             out = lax.select(lax.lt(k, klo), lo_x, hi_x)
-        else:
-            inside = lax.bitwise_and(lax.ge(x, lo_x), lax.le(x, hi_x))
-            out = lax.min(lax.max(x, lo_x), hi_x)
-        return lax.select(lax.bitwise_or(inside, lax.ne(x, x)), x, out)
+            return lax.select(lax.bitwise_or(inside, lax.ne(x, x)), x, out)
+        # Bounds of normal magnitude: XLA:CPU's clamp flushes an inside subnormal x to 0,
+        # which compares equal to x (the compare flushes too), so x is kept; an outside x
+        # differs from its bound, and NaN from itself. One clamp (scalar bounds need no
+        # broadcast), a compare and a select: the kernel compiles nearly as fast as
+        # optax.clip's, which flushes subnormals.
+        if lo_d.ndim or hi_d.ndim:
+            lo_d, hi_d = _norms.spread(lo_d, x), _norms.spread(hi_d, x)
+        c = lax.clamp(lo_d, x, hi_d)
+        return lax.select(lax.ne(x, c), c, x)
 
     return sel.rebuild([clip(x) for x in sel.chosen])
 
