@@ -848,12 +848,13 @@ def _slice_unit_norms(
     for members, width, c in buckets:
         rows = []
         for row, i in enumerate(members):
-            x = leaves[i].ravel()
-            # lax.pad: jnp.pad is a jitted function, one call per leaf in the program.
-            pad = [(0, width - x.size, 0)]
+            # lax, not jnp (ravel, pad, x[None]): ~5x faster to trace, a thousand leaves;
+            # and jnp.pad is a jitted function, one call per leaf in the program.
+            x = lax.reshape(leaves[i], (1, leaves[i].size))
+            pad = [(0, 0, 0), (0, width - x.size, 0)]
             rows.append(x if x.size == width else lax.pad(x, np.zeros((), x.dtype), pad))
             where[i] = (len(units), row)
-        units.append(_concatenate([r[None] for r in rows]))
+        units.append(_concatenate(rows))
         unit_axes.append((1,))
         combines.append(c)
     bucketed = (False,) * (len(units) - len(buckets)) + (True,) * len(buckets)
@@ -949,15 +950,19 @@ def clip_slices(
         n = Norm(frac, exp)
         return (n.value, *clip_scale(n, clip_norm), frac, exp)
 
-    per_leaf = stacked(factors, [n.frac for n in norms], [n.exp for n in norms], where=where)
+    fracs, exps = [n.frac for n in norms], [n.exp for n in norms]
+    per_leaf = stacked(factors, fracs, exps, where=where, raw=True)
     scales = [Scale(*f[1:4]) for f in per_leaf]
     leaf_norms = [Norm(*f[4:]) for f in per_leaf]  # read only by the derivative rule
     cs = {n.frac.dtype: _as(clip_norm, n) for n in norms}
     out = clip_all(leaves, scales, leaf_norms, [cs[n.frac.dtype] for n in leaf_norms])
-    values = [
-        value.reshape(()) if a is None else jnp.squeeze(value, axis=a)
-        for a, (value, *_) in zip(axes, per_leaf)
-    ]
+    values = []
+    for x, a, (value, *_) in zip(leaves, axes, per_leaf):
+        kept = () if a is None else tuple(d for i, d in enumerate(x.shape) if i not in a)
+        if value.shape != kept:  # a single value: lax.reshape; else the slices' norms
+            one = value.size == 1 and _one_device(value)
+            value = lax.reshape(value, kept) if one else jnp.squeeze(value, axis=a)
+        values.append(value)
     return out, values
 
 
@@ -1158,11 +1163,14 @@ def _unstack(
     shapes: Sequence[Shape],
     where: Sequence[tuple[int, int]] | None = None,
     static: bool = False,
+    raw: bool = False,
 ) -> list[Any]:
     """Per array, its part of its group's result (a pytree of stacked vectors), sliced at
     offsets XLA cannot see as constants (:func:`_opaque`; constants with ``static``).
     With ``where`` (per leaf: its array, and its row of that array or -1, see
-    :func:`_per_leaf`), per leaf instead: a row as a scalar, at one opaque offset too."""
+    :func:`_per_leaf`), per leaf instead: a row as a scalar, at one opaque offset too.
+    With ``raw``, a single value sliced out stays a vector of one element (a consumer
+    that broadcasts it, :func:`spread`, needs no reshape: one op less to trace each)."""
     where = where or [(i, -1) for i in range(len(shapes))]
     group_of = {i: g for g, members in enumerate(groups) for i in members}
     at: dict[int, int] = {}  # each array's offset in its group's vectors
@@ -1183,9 +1191,13 @@ def _unstack(
     out = []
     for i, (g, _, size, shape) in enumerate(pieces):
         vs, tree = flat[g]
-        if i in offsets:
+        if i in offsets:  # a slice of a single-device vector: lax.reshape (~5x faster to trace)
             vs = [_pick(v, offsets[i], size) for v in vs]
-        out.append(tree.unflatten([v if v.shape == shape else v.reshape(shape) for v in vs]))
+            if not (raw and size == 1):
+                vs = [v if v.shape == shape else lax.reshape(v, shape) for v in vs]
+        else:
+            vs = [v if v.shape == shape else v.reshape(shape) for v in vs]
+        out.append(tree.unflatten(vs))
     return out
 
 
@@ -1216,7 +1228,10 @@ def _opaque(values: Sequence[int], like: Array | None) -> list[Any]:
 
 
 def stacked(
-    fn: Callable[..., Any], *lists: Sequence[Array], where: Sequence[tuple[int, int]] | None = None
+    fn: Callable[..., Any],
+    *lists: Sequence[Array],
+    where: Sequence[tuple[int, int]] | None = None,
+    raw: bool = False,
 ) -> list[Any]:
     """``fn`` applied once to the concatenation of each list's arrays (raveled), the
     results split back to each array's shape (or, with ``where``, per leaf, see
@@ -1225,7 +1240,7 @@ def stacked(
     :func:`_stack_groups`)."""
     groups = _stack_groups(lists[0])
     results = [fn(*flat) for flat in _stack(groups, *lists)]
-    return _unstack(results, groups, [v.shape for v in lists[0]], where)
+    return _unstack(results, groups, [v.shape for v in lists[0]], where, raw=raw)
 
 
 _unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(1, 2, 3, 4, 5))
@@ -1592,8 +1607,8 @@ def spread(v: Array, like: Array) -> Array:
     """``v`` broadcast (numpy's rules) to the shape and sharding of ``like``."""
     if v.shape == like.shape:
         return v
-    if v.ndim and v.size == 1:  # one value (a whole leaf's): one broadcast, not three ops
-        v = lax.reshape(v, ())
+    if v.ndim and v.size == 1 and (v.ndim > 1 or not like.ndim):
+        v = lax.reshape(v, ())  # one value (a whole leaf's): one broadcast, not three ops
     dims = tuple(range(like.ndim - v.ndim, like.ndim))
     return lax.broadcast_in_dim(v, like.shape, dims, out_sharding=jax.typeof(like).sharding)
 
@@ -1634,6 +1649,10 @@ def _clipped_jvp(primals: tuple, tangents: tuple) -> tuple[list[Array], list[Arr
     for x, keep, f0, f1, frac, exp, c, dx, dfrac, dc in zip(
         *primals, tangents[0], tangents[4], tangents[6]
     ):
+        if not x.ndim:  # a single value as a vector of one (see _unstack's raw)
+            keep, f0, f1, frac, exp, dfrac = (
+                v.reshape(()) for v in (keep, f0, f1, frac, exp, dfrac)
+            )
         outs.append(apply_scale(x, Scale(keep, f0, f1)))
         ts.append(_clipped_tangent(x, keep, f0, f1, Norm(frac, exp), c, dx, dfrac, dc))
     return outs, ts
