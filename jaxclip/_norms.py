@@ -388,11 +388,47 @@ def _shaped(r: Any, shape: Shape) -> Any:
     return jax.tree.map(lambda v: v.reshape(shape), r)
 
 
-def _max_abs(x: Array, axes: Axes, acc: np.dtype, native: bool) -> Array:
+def _max_abs(x: Array, axes: Axes, acc: np.dtype, native: bool, parts: bool = False) -> Array:
+    """``max |x|``; with ``parts``, of a complex ``x`` its largest real or imaginary part
+    instead, for the rare path's scale: finite wherever the parts are (``|x|`` overflows
+    beyond the dtype's largest value) and within a factor ``sqrt(2)`` of ``max |x|``."""
     if x.size == 0:
         shape = tuple(1 if (axes is None or i in axes) else d for i, d in enumerate(x.shape))
         return jnp.zeros(shape, acc)
+    if parts and jnp.iscomplexobj(x):
+        return _reduce(
+            x, lambda v, _: jnp.maximum(_abs(v.real, acc), _abs(v.imag, acc)), axes, "max", native
+        )
     return _reduce(x, lambda v, _: _abs(v, acc), axes, "max", native)
+
+
+def _inf_norms(
+    xs: Sequence[Array], axes: Sequence[Axes], natives: Sequence[bool]
+) -> tuple[list[Array], list[Array] | None]:
+    """``max |x|`` of each array (see :func:`_inf_norm`), and, where one is complex, also
+    ``max |x / 2|`` of each (parts halved before the modulus: finite where the parts are,
+    when ``|x|`` itself overflows), for :func:`_inf_result`; None for real arrays only."""
+    ms = [_inf_norm(x, a, acc_dtype(x.dtype), nat) for x, a, nat in zip(xs, axes, natives)]
+    if not any(jnp.iscomplexobj(x) for x in xs):
+        return ms, None
+    halves = [
+        _inf_norm(lax.complex(x.real * 0.5, x.imag * 0.5), a, acc_dtype(x.dtype), nat)
+        if jnp.iscomplexobj(x)
+        else m * 0.5
+        for x, a, nat, m in zip(xs, axes, natives, ms)
+    ]
+    return ms, halves
+
+
+def _inf_result(m: Array, half: Array | None = None) -> Norm:
+    """The inf-norm of largest magnitude ``m``: where ``m`` overflowed but ``half``
+    (``max |x / 2|``, complex arrays) did not, ``half * 2`` kept as a :class:`Norm`."""
+    n = _special(m, _from_root(m, jnp.zeros_like(m)))
+    if half is None:
+        return n
+    h = _from_root(half, jnp.ones_like(half))
+    over = (m == jnp.inf) & jnp.isfinite(half)
+    return Norm(jnp.where(over, h.frac, n.frac), jnp.where(over, h.exp, n.exp))
 
 
 def _inf_norm(x: Array, axes: Axes, acc: np.dtype, native: bool) -> Array:
@@ -807,6 +843,49 @@ def _dnorm(norm: Norm, dn: Array) -> tuple[Array, Array]:
 # Per-slice norms (clip_by_norm, adaptive_clip): one norm per leaf, or per slice.
 
 
+Layout = tuple[list[tuple[int, int]], list[int], list[tuple[list[int], int, Combine]]]
+
+
+def _layout(
+    leaves: Sequence[Array], axes: tuple[Axes, ...], bucket: bool, combines: Sequence[Combine]
+) -> Layout:
+    """Which leaves are units of their own and which are rows of a bucket (small whole
+    leaves of one dtype, size class and mapped axes): per leaf ``(unit, row)`` (row -1 for
+    a whole unit), the leaves that are units in order, and the buckets (members, row width,
+    mapped axes), whose units follow. Static: it depends on shapes and types only."""
+    where: list[tuple[int, int]] = []
+    singles: list[int] = []
+    groups: dict[tuple[np.dtype, int, Combine], list[int]] = {}
+    for i, (x, a, c) in enumerate(zip(leaves, axes, combines)):
+        # Bucket rows are zero-padded: not for a dtype with no zero (float8_e8m0fnu).
+        if bucket and a is None and 0 < x.size and _bucketable(x) and _has_zero(x.dtype):
+            width = 1 << (x.size - 1).bit_length()
+            groups.setdefault((np.dtype(x.dtype), width, c), []).append(i)
+            where.append((-1, -1))
+        else:
+            where.append((len(singles), -1))
+            singles.append(i)
+    buckets = [
+        (chunk, width, c)
+        for (_, width, c), members in groups.items()
+        for chunk in _bucket_chunks(members)
+    ]
+    for u, (members, _, _) in enumerate(buckets, start=len(singles)):
+        for row, i in enumerate(members):
+            where[i] = (u, row)
+    return where, singles, buckets
+
+
+def _leaf_combines(
+    leaves: Sequence[Array], axes: tuple[Axes, ...], axis_name: AxisName, paths: Any
+) -> list[Combine]:
+    names = paths or ("",) * len(leaves)
+    return [
+        combine_axes(x, axis_name, a is None or len(a) == x.ndim, path)
+        for x, a, path in zip(leaves, axes, names)
+    ]
+
+
 def _slice_unit_norms(
     leaves: Sequence[Array],
     p: float,
@@ -816,54 +895,48 @@ def _slice_unit_norms(
     paths: tuple[str, ...] | None,
     static_split: bool = False,
 ) -> tuple[list[Norm], list[tuple[int, int]]]:
-    """The norms of the reduced units (leaves, or buckets of small leaves as rows), and
-    per leaf ``(unit, row)`` (row -1 for a whole unit)."""
-    units: list[Array] = []
-    unit_axes: list[Axes] = []
-    combines: list[Combine] = []
-    where: list[tuple[int, int]] = []  # per leaf: (unit, row), row -1 for a whole unit
-    groups: dict[tuple[np.dtype, int, Combine], list[int]] = {}
-    names = paths or ("",) * len(leaves)
-    leaf_combines = [
-        combine_axes(x, axis_name, a is None or len(a) == x.ndim, path)
-        for x, a, path in zip(leaves, axes, names)
-    ]
+    """The norms of the reduced units (leaves, or buckets of small leaves as rows, see
+    :func:`_layout`), and per leaf ``(unit, row)`` (row -1 for a whole unit)."""
+    leaf_combines = _leaf_combines(leaves, axes, axis_name, paths)
+    where = _layout(leaves, axes, bucket, leaf_combines)[0]
+    return _layout_norms(leaves, p, axes, axis_name, paths, static_split, bucket), where
+
+
+@functools.partial(
+    jax.jit, static_argnames=("p", "axes", "axis_name", "paths", "static_split", "bucket")
+)
+def _layout_norms(
+    leaves: Sequence[Array],
+    p: float,
+    axes: tuple[Axes, ...],
+    axis_name: AxisName,
+    paths: tuple[str, ...] | None,
+    static_split: bool,
+    bucket: bool,
+) -> list[Norm]:
+    """The unit norms of :func:`_slice_unit_norms`: jitted, so that two alike trees (AGC's
+    gradients and params) trace it once."""
+    leaf_combines = _leaf_combines(leaves, axes, axis_name, paths)
+    _, singles, buckets = _layout(leaves, axes, bucket, leaf_combines)
     leaves = _reduction_view(leaves)
-    for i, (x, a, c) in enumerate(zip(leaves, axes, leaf_combines)):
-        # Bucket rows are zero-padded: not for a dtype with no zero (float8_e8m0fnu).
-        if bucket and a is None and 0 < x.size and _bucketable(x) and _has_zero(x.dtype):
-            width = 1 << (x.size - 1).bit_length()
-            groups.setdefault((np.dtype(x.dtype), width, c), []).append(i)
-            where.append((-1, -1))
-        else:
-            where.append((len(units), -1))
-            units.append(x)
-            unit_axes.append(a)
-            combines.append(c)
-    buckets = [
-        (chunk, width, c)
-        for (_, width, c), members in groups.items()
-        for chunk in _bucket_chunks(members)
-    ]
+    units = [leaves[i] for i in singles]
+    unit_axes = [axes[i] for i in singles]
+    combines = [leaf_combines[i] for i in singles]
     for members, width, c in buckets:
         rows = []
-        for row, i in enumerate(members):
+        for i in members:
             # lax, not jnp (ravel, pad, x[None]): ~5x faster to trace, a thousand leaves;
             # and jnp.pad is a jitted function, one call per leaf in the program.
             x = lax.reshape(leaves[i], (1, leaves[i].size))
             pad = [(0, 0, 0), (0, width - x.size, 0)]
             rows.append(x if x.size == width else lax.pad(x, np.zeros((), x.dtype), pad))
-            where[i] = (len(units), row)
         units.append(_concatenate(rows))
         unit_axes.append((1,))
         combines.append(c)
     bucketed = (False,) * (len(units) - len(buckets)) + (True,) * len(buckets)
-    norms = (
-        _unit_norms(tuple(units), p, tuple(unit_axes), bucketed, tuple(combines), static_split)
-        if units
-        else []
-    )
-    return norms, where
+    if not units:
+        return []
+    return _unit_norms(tuple(units), p, tuple(unit_axes), bucketed, tuple(combines), static_split)
 
 
 @functools.cache
@@ -966,6 +1039,41 @@ def clip_slices(
     return out, values
 
 
+@functools.partial(jax.jit, static_argnames=("axes", "axis_name", "paths"))
+def clip_slices_relative(
+    leaves: Sequence[Array],
+    refs: Sequence[Array],
+    axes: tuple[Axes, ...],
+    clipping: Any,
+    eps: Any,
+    *,
+    axis_name: AxisName = None,
+    paths: tuple[str, ...] | None = None,
+) -> list[Array] | None:
+    """Each slice of ``leaves`` scaled to 2-norm at most ``clipping * max(n, eps)``, ``n``
+    the 2-norm of the same slice of ``refs`` (AGC: the gradients against the params).
+
+    As :func:`clip_slices`, the limits and factors of all units are one set of kernels,
+    and each leaf reads its values once; None where ``refs`` bucket otherwise than
+    ``leaves`` (dtypes that group differently), for the caller's per-leaf path.
+    """
+    norms, where = _slice_unit_norms(leaves, 2.0, axes, True, axis_name, paths, True)
+    rnorms, rwhere = _slice_unit_norms(refs, 2.0, axes, True, axis_name, paths, True)
+    if where != rwhere or [n.frac.shape for n in norms] != [n.frac.shape for n in rnorms]:
+        return None
+
+    def factors(frac: Array, exp: Array, rfrac: Array, rexp: Array) -> tuple[Array, ...]:
+        limit = clipping * jnp.maximum(Norm(rfrac, rexp).value, eps)
+        return (*clip_scale(Norm(frac, exp), limit), frac, exp, limit)
+
+    lists = [n.frac for n in norms], [n.exp for n in norms]
+    per_unit_refs = ([r.frac.astype(n.frac.dtype) for r, n in zip(rnorms, norms)],)
+    per_unit_refs += ([r.exp.astype(n.frac.dtype) for r, n in zip(rnorms, norms)],)
+    per_leaf = stacked(factors, *lists, *per_unit_refs, where=where, raw=True)
+    scales = [Scale(*f[:3]) for f in per_leaf]
+    return clip_all(leaves, scales, [Norm(*f[3:5]) for f in per_leaf], [f[5] for f in per_leaf])
+
+
 def _unit_norms_impl(
     units: tuple[Array, ...],
     p: float,
@@ -1031,11 +1139,11 @@ def _unit_norms_body(
     natives = [_native(x, b, p=p) for x, b in zip(units, bucketed)]
     accs = [acc_dtype(x.dtype) for x in units]
     if p == math.inf:
-        ms = [
-            _pmax(_inf_norm(x, a, acc, nat), c)
-            for x, a, acc, nat, c in zip(units, axes, accs, natives, combines)
-        ]
-        return stacked(lambda m: _special(m, _from_root(m, jnp.zeros_like(m))), ms)
+        ms, halves = _inf_norms(units, axes, natives)
+        ms = [_pmax(m, c) for m, c in zip(ms, combines)]
+        if halves is None:
+            return stacked(_inf_result, ms)
+        return stacked(_inf_result, ms, [_pmax(h, c) for h, c in zip(halves, combines)])
     if p == 2.0 and _one_pass():
         parts = [
             tuple(_psum(t, c) for t in _blue_sums(x, a, _native(x, b, rare=True)))
@@ -1057,7 +1165,7 @@ def _unit_norms_body(
     def flags() -> tuple[list[Array], list[Array]]:
         """Per slice whether its sum is in range, and per unit whether all are."""
         oks = [_exact_range(s, acc) for s, acc in zip(sums, accs)]
-        return oks, [jnp.all(ok) if ok.size > 1 else ok.reshape(()) for ok in oks]
+        return oks, [ok.reshape(()) if ok.size == 1 else jnp.all(ok) for ok in oks]
 
     def fast() -> list[Norm]:
         return [_in_range_norm(s, p) for (s,) in _stack(groups, sums)]
@@ -1117,7 +1225,7 @@ def _unit_norms_body(
         native = _native(x, b, rare=True)
         # The maxima first: all-zero slices (a frozen leaf, unused rows) need no more, and
         # a max pass is ~2x faster than the scaled sum on XLA:CPU.
-        m = _pmax(_max_abs(x, a, acc_dtype(x.dtype), native), c)
+        m = _pmax(_max_abs(x, a, acc_dtype(x.dtype), native, parts=True), c)
 
         def parts() -> tuple[Array, Array, Array]:
             return (m, *_scaled_parts(x, p, a, native, m, c))
@@ -1472,9 +1580,9 @@ def _global_norm_body(
 
     natives = [_native(u, b, p=p) for u, b in zip(units, bucketed)]
     if p == math.inf:
-        ms = [_inf_norm(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, natives)]
+        ms, halves = _inf_norms(units, axes, natives)
         m = _max_over(ms, combines, acc, shape)
-        return _special(m, _from_root(m, jnp.zeros_like(m)))
+        return _inf_result(m, None if halves is None else _max_over(halves, combines, acc, shape))
     # A 2-norm in one accumulation dtype: Blue's three accumulators, each summed over the
     # units, in one pass; with two paths, the rare one rescaled by the plain sum.
     blue = p == 2.0 and len({acc_dtype(u.dtype) for u in units}) == 1
@@ -1503,7 +1611,10 @@ def _global_norm_body(
             # Unbatched, the branch itself says the sum is out of range.
             m, e, mant = None, _rescale(s, ok if shape else False), None
         else:
-            ms = [_max_abs(u, a, acc_dtype(u.dtype), nat) for u, a, nat in zip(units, axes, rare)]
+            ms = [
+                _max_abs(u, a, acc_dtype(u.dtype), nat, parts=True)
+                for u, a, nat in zip(units, axes, rare)
+            ]
             m = _max_over(ms, combines, acc, shape)
             e, mant = _scale_of(m, p)
         # 2**-e per accumulation dtype (clamped: parts out of its range are negligible).
@@ -1650,8 +1761,8 @@ def _clipped_jvp(primals: tuple, tangents: tuple) -> tuple[list[Array], list[Arr
         *primals, tangents[0], tangents[4], tangents[6]
     ):
         if not x.ndim:  # a single value as a vector of one (see _unstack's raw)
-            keep, f0, f1, frac, exp, dfrac = (
-                v.reshape(()) for v in (keep, f0, f1, frac, exp, dfrac)
+            keep, f0, f1, frac, exp, c, dfrac, dc = (
+                v.reshape(()) for v in (keep, f0, f1, frac, exp, c, dfrac, dc)
             )
         outs.append(apply_scale(x, Scale(keep, f0, f1)))
         ts.append(_clipped_tangent(x, keep, f0, f1, Norm(frac, exp), c, dx, dfrac, dc))

@@ -179,6 +179,9 @@ def _agc(
     """Each unit of ``gs`` clipped to ``clipping * max(||unit of ps||, eps)`` (one compiled
     call, so an eager update costs one dispatch)."""
     kw = {"axis_name": axis_name, "paths": paths}
+    out = _norms.clip_slices_relative(gs, ps, axes, clipping, eps, **kw)
+    if out is not None:
+        return out
     g_norms = _norms.slice_norms(gs, 2.0, axes, **kw)
     p_norms = _norms.slice_norms(ps, 2.0, axes, **kw)
 

@@ -130,7 +130,9 @@ def clip_tree_by_value(
             lo_x, hi_x = _norms.spread(lo_d, x), _norms.spread(hi_d, x)
             k, klo, khi = _order_key(x), _order_key(lo_x), _order_key(hi_x)
             inside = lax.bitwise_and(lax.ge(k, klo), lax.le(k, khi))
-            out = lax.select(lax.lt(k, klo), lo_x, hi_x)
+            # max where min > max (traced bounds that cross), as clamp, jnp.clip, torch
+            below = lax.bitwise_and(lax.lt(k, klo), lax.le(klo, khi))
+            out = lax.select(below, lo_x, hi_x)
             return lax.select(lax.bitwise_or(inside, lax.ne(x, x)), x, out)
         # Bounds of normal magnitude: XLA:CPU's clamp flushes an inside subnormal x to 0,
         # which compares equal to x (the compare flushes too), so x is kept; an outside x

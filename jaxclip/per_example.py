@@ -90,9 +90,22 @@ def _batch_size(leaves: Sequence[Any], paths: Sequence[str], fn: str) -> int | N
     return batch
 
 
-def _weights(scale: _norms.Scale) -> Array:
-    """Per example, 1 where it is kept, else its factor ``c / n`` (rounded once)."""
-    return jnp.where(scale.keep, jnp.ones_like(scale.f0), scale.f0 * scale.f1)
+#: A batch with a factor below float32's normal range is contracted times ``2**LIFT``.
+LIFT = 90
+
+
+def _weights(scale: _norms.Scale) -> tuple[Array, Array]:
+    """Per example, 1 where it is kept, else its factor ``c / n`` (rounded once), all times
+    ``2**k``, and ``2**-k``: ``k = LIFT`` where some factor is below the normal range (a
+    norm above ``c * 2**126`` in float32: formed as a number, XLA:CPU would flush it to 0,
+    and the example with it), else 0. Then every weight is normal, and no term overflows:
+    such a factor means ``c`` is below ``2**20`` (norms of up to 2**34 elements are below
+    ``2**146``), so each term, at most ``c`` for any example, stays below ``2**110``."""
+    w = jnp.where(scale.keep, jnp.ones_like(scale.f0), scale.f0 * scale.f1)
+    low = ~scale.keep & (w < np.finfo(w.dtype).tiny)  # false for NaN, which propagates
+    lift = jnp.where(jnp.any(low), 2.0**LIFT, 1.0).astype(w.dtype)
+    lifted = jnp.where(low, scale.f0 * (scale.f1 * lift), w * lift)
+    return lifted, 1 / lift
 
 
 def _contract(w: Array, x: Array) -> Array:
@@ -275,11 +288,13 @@ def _arrays(
     keys = [None] * len(xs) if key is None else list(jax.random.split(key, len(xs)))
     outs = []
     for x, s, k in zip(xs, scales, keys):
-        total = _contract(_weights(s), x)
+        w, unlift = _weights(s)
+        total = _contract(w, x)
         if k is not None:  # one independent draw per leaf (and per step: a fresh key)
             std = jnp.asarray(noise_std, total.real.dtype)
-            total = total + std * jax.random.normal(k, total.shape, total.real.dtype)
-        outs.append(_finish(total, x.dtype, reduce, batch))
+            noise = std * jax.random.normal(k, total.shape, total.real.dtype)
+            total, unlift = total * unlift + noise, None
+        outs.append(_finish(total, x.dtype, reduce, batch, unlift))
     rest_outs = []
     for x in rest:
         total = _contract(jnp.ones((x.shape[0],), _norms.acc_dtype(x.dtype)), x)
@@ -311,11 +326,15 @@ def _reduce_other(x: Any, path: str, fn: str) -> Any:
     )
 
 
-def _finish(total: Array, dtype: Any, reduce: Reduce, batch: int | None) -> Array:
-    """The accumulated sum as the mean when asked, rounded once into the leaf's dtype."""
+def _finish(
+    total: Array, dtype: Any, reduce: Reduce, batch: int | None, unlift: Array | None = None
+) -> Array:
+    """The accumulated sum (times ``unlift``, see :func:`_weights`) as the mean when asked,
+    rounded once into the leaf's dtype."""
     if reduce == "mean":
-        total = total / jnp.asarray(batch, total.real.dtype)
-    return total.astype(dtype)
+        n = jnp.asarray(batch, total.real.dtype)
+        return (total * (unlift / n) if unlift is not None else total / n).astype(dtype)
+    return (total if unlift is None else total * unlift).astype(dtype)
 
 
 def clip_tree_per_example(

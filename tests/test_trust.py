@@ -205,3 +205,62 @@ def test_typed_prng_key_leaves_pass_through():
     assert out["k"] is keys and norms.shape == (4,)
     with pytest.raises(TypeError, match="'k' has dtype key<fry>"):
         jaxclip.global_norm(tree, need_clip={"w": True, "k": True})
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, math.inf])
+def test_size_zero_leaves_with_axes(p):
+    """A size-0 leaf whose kept dimensions hold the 0 crashed per-slice p != inf norms
+    (``cannot reshape array of shape (1, 0) into shape ()``; hostile review 2026-11-24)."""
+    for shape, axes in [((7, 0), 0), ((0, 7), 1), ((2, 0, 3), 1)]:
+        tree = {"empty": jnp.zeros(shape), "w": jnp.full((3, 4), 2.0)}
+        out, norms = jaxclip.clip_tree_by_norm(tree, 1.0, axes=axes, norm_type=p)
+        assert out["empty"].shape == shape
+        assert norms["empty"].shape == tuple(d for i, d in enumerate(shape) if i != axes)
+        w = np.full((3, 4), 2.0)
+        np.testing.assert_allclose(out["w"], w / ref.norm([w], p, (axes,)), rtol=1e-6)
+    params = {"empty": jnp.zeros((7, 0)), "w": jnp.ones((3, 4))}
+    out = jaxclip.clip_tree_adaptive(params, params, 0.05)
+    assert out["empty"].shape == (7, 0)
+    np.testing.assert_allclose(out["w"], 0.05, rtol=1e-6)
+
+
+def test_traced_value_bounds_that_cross_give_max():
+    """min > max (traced, so unchecked) gives max everywhere, as ``lax.clamp``,
+    ``jnp.clip`` and ``torch.clamp`` do; the integer-key path gave min below it."""
+    x = jnp.array([-3.0, 0.5, 3.0])
+    np.testing.assert_array_equal(_VALUE_CLIP(x, np.float32(2.0), np.float32(1.0)), 1.0)
+    f = jax.jit(lambda t, m: jaxclip.clip_tree_by_value(t, m))
+    np.testing.assert_array_equal(f(x, -1.0), -1.0)
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0, 3.0, 100.0, math.inf])
+def test_complex_modulus_beyond_float32_for_every_norm_type(p):
+    """Finite parts, ``|z|`` above float32's largest value: every p but 2 scaled by 0
+    (``|z|`` overflowed in the maxima; hostile review 2026-11-24)."""
+    z = np.array([2.5e38 + 2.5e38j, 1 + 1j], np.complex64)
+    mags = np.abs(z.astype(np.complex128))
+    top = mags.max()
+    n64 = top if p == math.inf else top * float(np.sum((mags / top) ** p) ** (1 / p))
+    want = z.astype(np.complex128) / n64  # the second element is subnormal: flushed on CPU
+    (out,), norm = jaxclip.clip_tree_by_global_norm([jnp.asarray(z)], 1.0, norm_type=p)
+    assert norm == np.inf  # beyond float32, as a number
+    np.testing.assert_allclose(np.asarray(out)[0], want[0], rtol=1e-6)
+    out, _ = jaxclip.clip_tree_by_norm(jnp.stack([z, z]), 1.0, axes=1, norm_type=p)
+    np.testing.assert_allclose(np.asarray(out)[:, 0], want[0], rtol=1e-6)
+    (out,), _ = jaxclip.clip_tree_per_example([jnp.stack([z, z])], 1.0, norm_type=p)
+    np.testing.assert_allclose(np.asarray(out)[0], 2 * want[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_per_example_norms_beyond_clip_norm_times_2_126_are_not_zeroed(reduce):
+    """With a reduction, a factor ``c / n`` below float32's normal range was formed as a
+    number and flushed to 0 by XLA:CPU: examples of norm above ~1e38 vanished from the sum
+    (optax's per_example_global_norm_clip drops them too)."""
+    x = np.array([[2.5e38, 2.5e38], [1e38, 1.0], [0.3, 0.4]], np.float32)
+    n = np.linalg.norm(x.astype(np.float64), axis=1)
+    want = np.sum(x / np.maximum(n, 1.0)[:, None], axis=0) / (3 if reduce == "mean" else 1)
+    (out,), _ = jaxclip.clip_tree_per_example([jnp.asarray(x)], 1.0, reduce=reduce)
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    tx = jaxclip.clip_per_example(1.0, reduce=reduce)
+    (out,), _ = jax.jit(tx.update)([jnp.asarray(x)], tx.init([jnp.zeros(2)]))
+    np.testing.assert_allclose(out, want, rtol=1e-6)
