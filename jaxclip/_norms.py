@@ -803,12 +803,16 @@ def _tangent(x: Array, dx: Array, norm: Norm, p: float, axes: Axes) -> Array:
     acc = norm.frac.dtype
     a = _abs(x, acc)
     if jnp.iscomplexobj(x):
-        unit = jnp.conj(x) / jnp.where(a > 0, a, 1).astype(x.dtype)
+        # From x / 2, whose modulus is finite where the parts are (|x| may overflow).
+        h = lax.complex(x.real * 0.5, x.imag * 0.5)
+        ah = _abs(h, acc)
+        unit = jnp.conj(h) / jnp.where(ah > 0, ah, 1).astype(x.dtype)
         d = jnp.real(unit * dx.astype(x.dtype)).astype(acc)
+        ratio = _over_norm(ah, norm) * 2  # |x| / n <= 1
     else:
         d = (jnp.sign(x).astype(acc) * dx.astype(acc)).astype(acc)
+        ratio = _over_norm(a, norm)  # |x| / n <= 1
     dims = tuple(range(x.ndim)) if axes is None else axes
-    ratio = _over_norm(a, norm)  # |x| / n <= 1
     if p == math.inf:
         top = a == norm.value
         w = top.astype(acc) / jnp.maximum(jnp.sum(top, axis=dims, keepdims=True), 1).astype(acc)

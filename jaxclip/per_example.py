@@ -94,16 +94,19 @@ def _batch_size(leaves: Sequence[Any], paths: Sequence[str], fn: str) -> int | N
 LIFT = 90
 
 
-def _weights(scale: _norms.Scale) -> tuple[Array, Array]:
+def _weights(scale: _norms.Scale, clip_norm: Any, batch: int) -> tuple[Array, Array]:
     """Per example, 1 where it is kept, else its factor ``c / n`` (rounded once), all times
-    ``2**k``, and ``2**-k``: ``k = LIFT`` where some factor is below the normal range (a
-    norm above ``c * 2**126`` in float32: formed as a number, XLA:CPU would flush it to 0,
-    and the example with it), else 0. Then every weight is normal, and no term overflows:
-    such a factor means ``c`` is below ``2**20`` (norms of up to 2**34 elements are below
-    ``2**146``), so each term, at most ``c`` for any example, stays below ``2**110``."""
+    ``2**k``, and ``2**-k``. ``k`` is 0 unless some factor is below the normal range (a
+    norm above ``c * 2**126`` in float32: formed as a number, XLA:CPU would flush it to
+    0, and the example with it); then every weight is lifted by up to ``2**LIFT``, as far
+    as the sum allows: each term ``w x`` is at most ``c`` in magnitude (a p-norm bounds
+    every element), so ``batch * c * 2**k`` must stay finite."""
     w = jnp.where(scale.keep, jnp.ones_like(scale.f0), scale.f0 * scale.f1)
     low = ~scale.keep & (w < np.finfo(w.dtype).tiny)  # false for NaN, which propagates
-    lift = jnp.where(jnp.any(low), 2.0**LIFT, 1.0).astype(w.dtype)
+    c = jnp.maximum(jnp.asarray(clip_norm, w.dtype), np.finfo(w.dtype).tiny)
+    room = np.finfo(w.dtype).maxexp - 2 - max(batch, 1).bit_length() - _norms.frexp(c)[1]
+    k = jnp.where(jnp.any(low), jnp.clip(room, 0, LIFT), 0)
+    lift = _norms._pow2(k, w.dtype)
     lifted = jnp.where(low, scale.f0 * (scale.f1 * lift), w * lift)
     return lifted, 1 / lift
 
@@ -288,7 +291,7 @@ def _arrays(
     keys = [None] * len(xs) if key is None else list(jax.random.split(key, len(xs)))
     outs = []
     for x, s, k in zip(xs, scales, keys):
-        w, unlift = _weights(s)
+        w, unlift = _weights(s, clip_norm, x.shape[0])
         total = _contract(w, x)
         if k is not None:  # one independent draw per leaf (and per step: a fresh key)
             std = jnp.asarray(noise_std, total.real.dtype)
@@ -359,7 +362,8 @@ def clip_tree_per_example(
     The reduction contracts the per-example factors with each leaf (no clipped copy of the
     gradients), accumulating in float32 for 16-bit leaves; each output leaf keeps its
     dtype. A factor ``clip_norm / n`` below float32's normal range (an example norm over
-    ``8.5e37 * clip_norm``) is flushed to 0 in the sum on backends that flush subnormals;
+    ``8.5e37 * clip_norm``) is not formed as a number: the batch's weights are contracted
+    lifted by a power of two and the sum scaled back, so such an example still counts;
     ``reduce=None`` scales each example exactly at any magnitude.
 
     Args:

@@ -264,3 +264,25 @@ def test_per_example_norms_beyond_clip_norm_times_2_126_are_not_zeroed(reduce):
     tx = jaxclip.clip_per_example(1.0, reduce=reduce)
     (out,), _ = jax.jit(tx.update)([jnp.asarray(x)], tx.init([jnp.zeros(2)]))
     np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_per_example_lift_leaves_room_for_large_clip_norms():
+    """p < 1 lets a norm pass 2**128 with clip_norm = 2**40: a fixed 2**90 lift of every
+    weight overflowed the kept examples' terms to inf (second review, 2026-11-24)."""
+    x = np.zeros((2, 1 << 20), np.float32)
+    x[0, 0], x[1, :] = 2.0**39, 2.0**127
+    (out,), _ = jaxclip.clip_tree_per_example([jnp.asarray(x)], 2.0**40, norm_type=0.5)
+    # Example 1: 2**20 elements of 2**127, n = (2**20 * 2**63.5)**2 = 2**167: c / n = 2**-127.
+    np.testing.assert_allclose(np.asarray(out)[:2], [2.0**39 + 1.0, 1.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0, 2.0, 3.0, math.inf])
+def test_derivative_through_a_complex_modulus_beyond_float32_is_finite(p):
+    """|z| overflowed in the derivative rule: NaN gradients for p > 1 (p=2 included)."""
+    z = jnp.asarray([3e38 + 3e38j], jnp.complex64)
+    for fn in (
+        lambda z: jaxclip.clip_tree_by_norm([z], 1.0, norm_type=p)[0][0],
+        lambda z: jaxclip.clip_tree_by_global_norm([z, jnp.ones(2)], 1.0, norm_type=p)[0][0],
+    ):
+        g = jax.grad(lambda z, fn=fn: jnp.real(fn(z)).sum())(z)
+        assert np.all(np.isfinite(np.asarray(g)))  # the exact one, ~c / |z|, underflows
