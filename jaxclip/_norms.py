@@ -402,6 +402,12 @@ def _max_abs(x: Array, axes: Axes, acc: np.dtype, native: bool, parts: bool = Fa
     return _reduce(x, lambda v, _: _abs(v, acc), axes, "max", native)
 
 
+def _halved(x: Array) -> Array:
+    """A complex ``x / 2``, its parts halved: its modulus is finite wherever the parts
+    are (``|x|`` overflows above the dtype's largest value)."""
+    return lax.complex(x.real * 0.5, x.imag * 0.5)
+
+
 def _inf_norms(
     xs: Sequence[Array], axes: Sequence[Axes], natives: Sequence[bool]
 ) -> tuple[list[Array], list[Array] | None]:
@@ -412,9 +418,7 @@ def _inf_norms(
     if not any(jnp.iscomplexobj(x) for x in xs):
         return ms, None
     halves = [
-        _inf_norm(lax.complex(x.real * 0.5, x.imag * 0.5), a, acc_dtype(x.dtype), nat)
-        if jnp.iscomplexobj(x)
-        else m * 0.5
+        _inf_norm(_halved(x), a, acc_dtype(x.dtype), nat) if jnp.iscomplexobj(x) else m * 0.5
         for x, a, nat, m in zip(xs, axes, natives, ms)
     ]
     return ms, halves
@@ -803,8 +807,7 @@ def _tangent(x: Array, dx: Array, norm: Norm, p: float, axes: Axes) -> Array:
     acc = norm.frac.dtype
     a = _abs(x, acc)
     if jnp.iscomplexobj(x):
-        # From x / 2, whose modulus is finite where the parts are (|x| may overflow).
-        h = lax.complex(x.real * 0.5, x.imag * 0.5)
+        h = _halved(x)  # |x| may overflow
         ah = _abs(h, acc)
         unit = jnp.conj(h) / jnp.where(ah > 0, ah, 1).astype(x.dtype)
         d = jnp.real(unit * dx.astype(x.dtype)).astype(acc)
@@ -1070,10 +1073,15 @@ def clip_slices_relative(
         limit = clipping * jnp.maximum(Norm(rfrac, rexp).value, eps)
         return (*clip_scale(Norm(frac, exp), limit), frac, exp, limit)
 
-    lists = [n.frac for n in norms], [n.exp for n in norms]
-    per_unit_refs = ([r.frac.astype(n.frac.dtype) for r, n in zip(rnorms, norms)],)
-    per_unit_refs += ([r.exp.astype(n.frac.dtype) for r, n in zip(rnorms, norms)],)
-    per_leaf = stacked(factors, *lists, *per_unit_refs, where=where, raw=True)
+    per_leaf = stacked(
+        factors,
+        [n.frac for n in norms],
+        [n.exp for n in norms],
+        [r.frac.astype(n.frac.dtype) for r, n in zip(rnorms, norms)],
+        [r.exp.astype(n.frac.dtype) for r, n in zip(rnorms, norms)],
+        where=where,
+        raw=True,
+    )
     scales = [Scale(*f[:3]) for f in per_leaf]
     return clip_all(leaves, scales, [Norm(*f[3:5]) for f in per_leaf], [f[5] for f in per_leaf])
 

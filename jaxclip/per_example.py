@@ -292,12 +292,11 @@ def _arrays(
     outs = []
     for x, s, k in zip(xs, scales, keys):
         w, unlift = _weights(s, clip_norm, x.shape[0])
-        total = _contract(w, x)
+        total = _contract(w, x) * unlift  # exact (a power of two); fuses with what follows
         if k is not None:  # one independent draw per leaf (and per step: a fresh key)
             std = jnp.asarray(noise_std, total.real.dtype)
-            noise = std * jax.random.normal(k, total.shape, total.real.dtype)
-            total, unlift = total * unlift + noise, None
-        outs.append(_finish(total, x.dtype, reduce, batch, unlift))
+            total = total + std * jax.random.normal(k, total.shape, total.real.dtype)
+        outs.append(_finish(total, x.dtype, reduce, batch))
     rest_outs = []
     for x in rest:
         total = _contract(jnp.ones((x.shape[0],), _norms.acc_dtype(x.dtype)), x)
@@ -329,15 +328,11 @@ def _reduce_other(x: Any, path: str, fn: str) -> Any:
     )
 
 
-def _finish(
-    total: Array, dtype: Any, reduce: Reduce, batch: int | None, unlift: Array | None = None
-) -> Array:
-    """The accumulated sum (times ``unlift``, see :func:`_weights`) as the mean when asked,
-    rounded once into the leaf's dtype."""
+def _finish(total: Array, dtype: Any, reduce: Reduce, batch: int | None) -> Array:
+    """The accumulated sum as the mean when asked, rounded once into the leaf's dtype."""
     if reduce == "mean":
-        n = jnp.asarray(batch, total.real.dtype)
-        return (total * (unlift / n) if unlift is not None else total / n).astype(dtype)
-    return (total if unlift is None else total * unlift).astype(dtype)
+        total = total / jnp.asarray(batch, total.real.dtype)
+    return total.astype(dtype)
 
 
 def clip_tree_per_example(
