@@ -269,18 +269,24 @@ def _reduction_view(arrays: Sequence[Array]) -> list[Array]:
 
 
 def _barrier(arrays: Sequence[Array], extra: Any = None) -> tuple[list[Array], list[Any]]:
-    """``optimization_barrier`` of ``arrays`` (and a copy of ``extra`` per array), one
-    barrier per set of varying mesh axes: inside ``shard_map`` a single barrier would
-    make every array vary across the union of their axes."""
+    """``optimization_barrier`` of ``arrays``, one barrier per set of varying mesh axes:
+    inside ``shard_map`` a single barrier would make every array vary across the union
+    of their axes. With ``extra`` (scale factors), each array passes its own barrier
+    with its own copy of ``extra``: from one shared copy, XLA:CPU computes the factor's
+    broadcast once for all arrays of a shape, at full size (a 6.7 MB temporary and 1.4x
+    the time of the global norm's rare path on 10 leaves of 1024 x 1640)."""
+    if extra is not None:
+        pairs = [lax.optimization_barrier((x, extra)) for x in arrays]
+        return [x for x, _ in pairs], [e for _, e in pairs]
     groups: dict[frozenset[str], list[int]] = {}
     for i, x in enumerate(arrays):
         groups.setdefault(_varying(x), []).append(i)
-    out, extras = list(arrays), [extra] * len(arrays)
+    out = list(arrays)
     for members in groups.values():
-        xs, e = lax.optimization_barrier(([arrays[i] for i in members], extra))
+        xs = lax.optimization_barrier([arrays[i] for i in members])
         for i, x in zip(members, xs):
-            out[i], extras[i] = x, e
-    return out, extras
+            out[i] = x
+    return out, [None] * len(arrays)
 
 
 def _native(x: Array, bucketed: bool, rare: bool = False, p: float = 2.0) -> bool:
