@@ -305,15 +305,24 @@ def _native(x: Array, bucketed: bool, rare: bool = False, p: float = 2.0) -> boo
     return wanted and _one_device(x)
 
 
+#: The rare path rescales rows of at least this many elements in the library reduction.
+LIBRARY_ROW_MIN = 64
+
+
 def _rare_native(x: Array, bucketed: bool, p: float, axes: Axes) -> bool:
-    """:func:`_native` for the rare path's second read: the library reduction for the
-    rescaled 2-norm of a whole 32/64-bit leaf (faster to compile and to run), the fused
-    one for narrower data, whose upcast XLA:CPU would otherwise materialise for both
-    reads, and for per-slice scales and buckets, whose scales' broadcast it would
-    materialise (8 MB of temporaries for per-example norms of a small transformer; 2 MB,
-    half the bucket, for a thousand small leaves)."""
-    whole = axes is None or len(axes) == x.ndim
-    fused = p != 2.0 or x.dtype.itemsize < 4 or not whole or bucketed
+    """:func:`_native` for the rare path's second read of a 2-norm: the library reduction
+    (faster to compile and to run) for a 32/64-bit leaf reduced whole or over trailing
+    axes of at least :data:`LIBRARY_ROW_MIN` elements, each row scaled by its factor:
+    5-7x faster than the fused reduce there (12 against 44 ms on 50000 rows of 512,
+    an embedding whose unused rows are zero, so that the rare path runs on every step).
+    The fused one for narrower data, whose upcast XLA:CPU would otherwise materialise
+    for both reads; for buckets, whose row scales' broadcast it would materialise (2 MB,
+    half the bucket, for a thousand small leaves); for leading or middle axes (the
+    library ran 5-40x slower there) and short rows (3x slower on rows of 16)."""
+    dims = tuple(range(x.ndim)) if axes is None else tuple(sorted(axes))
+    trailing = dims == tuple(range(x.ndim - len(dims), x.ndim))
+    rows = math.prod(x.shape[d] for d in dims) >= LIBRARY_ROW_MIN or len(dims) == x.ndim
+    fused = p != 2.0 or x.dtype.itemsize < 4 or bucketed or not (trailing and rows)
     return _native(x, bucketed, rare=fused, p=p)
 
 
