@@ -149,6 +149,11 @@ def run(reps: int, eager_calls: int) -> dict[str, Any]:
     zero_leaf = dict(tree, l2=jnp.zeros_like(tree["l2"]))
     emb = jnp.asarray(np.random.default_rng(1).normal(size=(4096, 64)).astype(np.float32))
     zero_rows = emb.at[::3].set(0.0)
+    # An embedding's gradient: rows of tokens absent from the batch are zero.
+    big = jnp.asarray(np.random.default_rng(2).normal(size=(50000, 512)).astype(np.float32))
+    unused = big.at[jnp.arange(big.shape[0]) % 10 != 0].set(0.0)
+    # DP-SGD batches padded to a fixed size: the padding examples' gradients are zero.
+    padded = jax.tree.map(lambda x: x.at[-1].set(0.0), batched)
     for name, fn, args, base in [
         (
             "clip_by_norm, one all-zero leaf",
@@ -167,6 +172,18 @@ def run(reps: int, eager_calls: int) -> dict[str, Any]:
             jax.jit(lambda g: jaxclip.clip_tree_by_norm(g, CLIP, axes=1)[0]),
             (zero_rows,),
             (emb,),
+        ),
+        (
+            "clip_by_norm(axes=1), 50000x512 embedding, 90% of the rows zero",
+            jax.jit(lambda g: jaxclip.clip_tree_by_norm(g, CLIP, axes=1)[0]),
+            (unused,),
+            (big,),
+        ),
+        (
+            "clip_tree_per_example (64 examples), the last one all zero",
+            jax.jit(lambda g: jaxclip.clip_tree_per_example(g, CLIP)[0]),
+            (padded,),
+            (batched,),
         ),
     ]:
         times = _time_interleaved([fn, fn], [args, base], reps)
