@@ -402,13 +402,13 @@ def check_bound_shape(bound: Any, name: str, leaf: Array, path: str, fn: str) ->
     """A value bound must broadcast to ``leaf``'s shape without enlarging it (as TensorFlow)."""
     shape = np.shape(bound)
     try:
-        fits = np.broadcast_shapes(shape, leaf.shape) == tuple(leaf.shape)
+        fits = np.broadcast_shapes(shape, np.shape(leaf)) == np.shape(leaf)
     except ValueError:
         fits = False
     if not fits:
         raise ValueError(
             f"jaxclip.{fn}: {name} of shape {shape} does not broadcast to the leaf at "
-            f"{_tree.shown(path)}, which has shape {leaf.shape}. Use bounds that broadcast to "
+            f"{_tree.shown(path)}, which has shape {np.shape(leaf)}. Use bounds that broadcast to "
             "every clipped leaf (a scalar, or an array of a trailing part of its shape), or "
             "exclude this leaf with need_clip."
         )

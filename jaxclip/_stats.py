@@ -86,7 +86,10 @@ def clip_stats(opt_state: Any) -> dict[str, jax.Array]:
     chain, ``"1/norms/l1/kernel"`` for a per-leaf norm of :func:`clip_by_norm`,
     ``"2/threshold"`` for an adaptive threshold, a group's norm under
     ``"global_norm/<label>"``, and the current value of every hyperparameter that
-    ``optax.inject_hyperparams`` injects into a jaxclip mode (``"0/clip_norm"``).
+    ``optax.inject_hyperparams`` injects into a jaxclip mode with a state
+    (``"0/clip_norm"``; the stateless :func:`jaxclip.clip_by_value` and
+    :func:`jaxclip.adaptive_clip` keep ``optax.EmptyState``, which names no mode, so their
+    injected values are left to the wrapper's ``state.hyperparams``).
     Unlike ``optax.tree.get(state, "global_norm")``, it works with several jaxclip
     modes in one chain and with injected hyperparameters. Works under ``jit`` too.
 

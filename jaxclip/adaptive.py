@@ -240,7 +240,8 @@ def auto_clip(
     percentile (linear interpolation, as ``numpy.percentile``) of the recorded norms. The
     paper keeps the whole history; here it is a ring buffer of the last ``window``
     norms, so the state has a fixed size and the cost per step is ``O(window)``.
-    Non-finite norms are not recorded (they propagate as in
+    A finite norm beyond float32's range is recorded as float32's largest value (the
+    step is clipped to that norm). Non-finite norms are not recorded (they propagate as in
     :func:`jaxclip.clip_by_global_norm`: an inf norm scales the step by 0, a NaN one
     makes it NaN); before any finite norm has been recorded the threshold is 0. This is
     the paper's algorithm (its listing records first, then takes the percentile); the
@@ -288,9 +289,13 @@ def auto_clip(
     def update_fn(updates: PyTree, state: AutoClipState, params: Any = None):
         del params
         sel, xs, norm, parts = _selected(updates, need_clip)
-        finite = jnp.isfinite(norm)
+        # A finite norm beyond float32's range is recorded as float32's largest value: the
+        # step is then clipped to that, where an unrecorded norm would leave a threshold
+        # of 0 on a first step and zero the update.
+        finite = jnp.isfinite(parts.frac)
+        kept = jnp.minimum(norm, jnp.finfo(jnp.float32).max)
         history = jnp.where(
-            finite, state.history.at[state.finite_count % window].set(norm), state.history
+            finite, state.history.at[state.finite_count % window].set(kept), state.history
         )
         count = state.finite_count + finite.astype(jnp.int32)
         # With no finite norm recorded yet (a non-finite first step) the threshold is 0, so
@@ -374,14 +379,17 @@ def _history_step(
         norm = parts.value.astype(jnp.float32)
         out = _norms.rescale(xs, parts, threshold)
     else:
-        leaf_norms = _norms.slice_norms(xs, 2.0, (None,) * len(xs))
-        norm = jnp.stack([n.value.reshape(()).astype(jnp.float32) for n in leaf_norms])
-        norm = norm.reshape(state.norm.shape)  # (0,) when nothing is selected
+        leaf_norms = _norms.slice_norms(xs, 2.0, (None,) * len(xs)) if xs else []
+        values = [n.value.reshape(()).astype(jnp.float32) for n in leaf_norms]
+        norm = jnp.stack(values) if values else jnp.zeros((0,), jnp.float32)
         out = _norms.rescale_each(xs, leaf_norms, [threshold[k] for k in range(len(xs))])
     finite = jnp.isfinite(norm)
     slot = jax.nn.one_hot(count % history_length, history_length, dtype=bool)
     history = jnp.where(finite[..., None] & slot, norm[..., None], state.history)
     count = count + finite.astype(jnp.int32)
+    # float32 state whatever the hyperparameters' dtype (NumPy float64 under x64): scan
+    # carries need init's dtypes.
+    threshold = threshold.astype(state.threshold.dtype)
     return out, HistoryClipState(history, count, threshold, norm)
 
 
@@ -683,6 +691,9 @@ def zclip(
         mean = jnp.where(ready, mean0, jnp.where(tracking, mean1, state.mean))
         var = jnp.where(ready, var0, jnp.where(tracking, var1, state.var))
         count = state.finite_count + finite.astype(jnp.int32)
+        # float32 state whatever the hyperparameters' dtype (NumPy float64 under x64):
+        # scan carries need init's dtypes.
+        mean, var, threshold = (v.astype(jnp.float32) for v in (mean, var, threshold))
         return clipped, ZClipState(mean, var, warmup, count, threshold, norm)
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

@@ -323,3 +323,53 @@ def test_reference_spellings_port_unchanged():
         np.testing.assert_array_equal(o1, o2)
     with pytest.raises(TypeError, match="both percentile= and clip_percentile="):
         jaxclip.auto_clip(20.0, clip_percentile=50.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Found by the sixth session's review.
+
+
+@pytest.mark.parametrize(
+    "make", [jaxclip.quantile_clip, jaxclip.standard_clip], ids=["quantile", "standard"]
+)
+def test_history_clippers_pass_trees_with_nothing_selected(make):
+    # jnp.stack of no per-leaf norms crashed; every other mode returns such trees as given.
+    g = {"w": jnp.array([3.0, 4.0])}
+    for tx, tree in [
+        (make(need_clip=False), g),
+        (optax.masked(make(), {"w": False}), g),
+        (make(), {}),
+    ]:
+        state = tx.init(tree)
+        for _ in range(2):
+            out, state = tx.update(tree, state)
+            chex.assert_trees_all_equal(out, tree)
+
+
+def test_numpy_float64_hyperparameters_keep_float32_states():
+    # Under x64 a NumPy float64 alpha (a np.logspace sweep) made zclip's mean, var and
+    # threshold float64 after one update: lax.scan rejected the carry.
+    g = {"w": jnp.array([3.0, 4.0])}
+    with jax.enable_x64(True):
+        for tx in [
+            jaxclip.zclip(np.float64(0.9), np.float64(2.0), np.float64(1.0), warmup_steps=1),
+            jaxclip.standard_clip(np.float64(2.0)),
+        ]:
+            state = tx.init(g)
+            steps = jnp.stack([jnp.array([3.0, 4.0]) * k for k in (1.0, 2.0, 50.0)])
+            step = lambda s, x, tx=tx: (tx.update({"w": x}, s)[1], None)  # noqa: E731
+            final, _ = jax.lax.scan(step, state, steps)
+            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(final)):
+                assert a.dtype == b.dtype, (a.dtype, b.dtype)
+
+
+def test_auto_clip_never_zeroes_a_finite_first_step_beyond_float32():
+    # The float32 norm of 4 x 3e38 is inf: not recorded, it left a threshold of 0 and a
+    # zero update. Recorded as float32's largest value, the step keeps its direction at
+    # that norm (the closest the float32 history can hold to the paper's "unchanged").
+    g = jnp.full(4, 3e38, jnp.float32)
+    tx = jaxclip.auto_clip(10.0)
+    out, state = tx.update(g, tx.init(g))
+    top = float(np.finfo(np.float32).max)
+    np.testing.assert_allclose(np.asarray(out, np.float64), top / 2, rtol=1e-6)
+    assert float(state.threshold) == top and int(state.finite_count) == 1

@@ -298,3 +298,11 @@ def test_tensorflow_style_functions():
     np.testing.assert_allclose(
         norms, [ref.norm([[3.0, 6.0]], 2.0), ref.norm([[4.0, 8.0]], 2.0)], rtol=1e-6
     )
+
+
+def test_value_clipping_takes_python_number_leaves():
+    # Its bound check read leaf.shape: a Python float leaf raised AttributeError, where
+    # every other mode (and optax.clip) takes it.
+    out = jaxclip.clip_tree_by_value({"a": 3.0, "b": -5.0, "c": jnp.array([0.5])}, 1.0)
+    np.testing.assert_array_equal([out["a"], out["b"]], [1.0, -1.0])
+    np.testing.assert_array_equal(out["c"], [0.5])
