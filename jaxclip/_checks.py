@@ -167,6 +167,11 @@ def _real(value: Any, name: str, fn: str, what: str, *, scalar: bool = True) -> 
             f"jaxclip.{fn}: {name}={_show(value)} is a {type(value).__name__}, not a number; "
             f"{hint}."
         )
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+        raise HyperparameterTypeError(
+            f"jaxclip.{fn}: {name}={_show(value)} is an integer beyond int64's range, which "
+            f"JAX cannot hold; pass it as a float, {name}=float({_show(value)})."
+        )
     v = concrete(value)
     if v is None:  # traced: its dtype and shape are still known
         try:
@@ -187,7 +192,8 @@ def _real(value: Any, name: str, fn: str, what: str, *, scalar: bool = True) -> 
         )
     if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
         raise HyperparameterTypeError(
-            f"jaxclip.{fn}: {name}={_show(value)} (dtype {dtype}) is not a number; {hint}."
+            f"jaxclip.{fn}: {name}={_show(value)} (dtype {dtype}) is not a number JAX can "
+            f"hold; {hint} (float() converts it)."
         )
     if scalar and shape != ():
         raise ValueError(

@@ -485,3 +485,11 @@ def test_state_is_donatable(name, make):
             for _ in range(2):  # steps 1 and 2
                 _, state = update(GRADS, state, PARAMS)
                 _assert_no_shared_buffers(state)
+
+
+def test_integers_beyond_int64_are_named_with_the_fix():
+    # torch takes such bounds through float(); JAX cannot hold the int itself.
+    with pytest.raises(TypeError, match=r"beyond int64.*float\("):
+        jaxclip.clip_by_value(2**64)
+    with pytest.raises(TypeError, match=r"clip_norm=.*beyond int64"):
+        jaxclip.clip_by_global_norm(2**70)
