@@ -240,8 +240,9 @@ def auto_clip(
     percentile (linear interpolation, as ``numpy.percentile``) of the recorded norms. The
     paper keeps the whole history; here it is a ring buffer of the last ``window``
     norms, so the state has a fixed size and the cost per step is ``O(window)``.
-    A finite norm beyond float32's range is recorded as float32's largest value (the
-    step is clipped to that norm). Non-finite norms are not recorded (they propagate as in
+    A finite norm beyond float32's range cannot be recorded: it is clipped at the
+    percentile of the earlier norms, or, as the first step, passes unchanged (the paper's
+    percentile of one norm is that norm). Non-finite norms are not recorded (they propagate as in
     :func:`jaxclip.clip_by_global_norm`: an inf norm scales the step by 0, a NaN one
     makes it NaN); before any finite norm has been recorded the threshold is 0. This is
     the paper's algorithm (its listing records first, then takes the percentile); the
@@ -289,18 +290,17 @@ def auto_clip(
     def update_fn(updates: PyTree, state: AutoClipState, params: Any = None):
         del params
         sel, xs, norm, parts = _selected(updates, need_clip)
-        # A finite norm beyond float32's range is recorded as float32's largest value: the
-        # step is then clipped to that, where an unrecorded norm would leave a threshold
-        # of 0 on a first step and zero the update.
-        finite = jnp.isfinite(parts.frac)
-        kept = jnp.minimum(norm, jnp.finfo(jnp.float32).max)
+        finite = jnp.isfinite(norm)
         history = jnp.where(
-            finite, state.history.at[state.finite_count % window].set(kept), state.history
+            finite, state.history.at[state.finite_count % window].set(norm), state.history
         )
         count = state.finite_count + finite.astype(jnp.int32)
         # With no finite norm recorded yet (a non-finite first step) the threshold is 0, so
-        # an inf norm scales by 0 and a NaN norm gives NaN, as in clip_by_global_norm.
-        threshold = jnp.where(count > 0, jnp.nanpercentile(history, percentile), 0.0)
+        # an inf norm scales by 0 and a NaN norm gives NaN, as in clip_by_global_norm; but
+        # a finite norm beyond float32's range (not recordable) is its own percentile, as
+        # in the paper: inf, the step passes unchanged (it was zeroed).
+        first = jnp.where(jnp.isfinite(parts.frac), jnp.inf, 0.0)
+        threshold = jnp.where(count > 0, jnp.nanpercentile(history, percentile), first)
         return _rescaled(sel, xs, parts, threshold), AutoClipState(history, count, threshold, norm)
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
