@@ -97,11 +97,30 @@ def test_no_call_per_leaf(mode):
     assert _calls(fn(large), large) == _calls(fn(small), small)
 
 
+#: Whole-leaf clipping, the modes whose compiled kernels the tests below inspect.
+_WHOLE = {
+    "global": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0)[0],
+    "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0)[0],
+}
+
+
+def _computations(fn, tree) -> list[str]:
+    """The computations of ``fn``'s optimized program (fused ones, branches, entry)."""
+    return jax.jit(fn).lower(tree).compile().as_text().split("\n\n")
+
+
+def _kernels(fn, tree, shape: str) -> list[str]:
+    """The compiled fused computations that output ``shape``."""
+    return [
+        b
+        for b in _computations(fn, tree)
+        if b.startswith("%fused") and f") -> {shape} {{" in b.split("\n")[0]
+    ]
+
+
 def _kernel_sizes(fn, tree, shape: str) -> list[int]:
     """Instruction counts of the compiled fused computations that output ``shape``."""
-    text = jax.jit(fn).lower(tree).compile().as_text()
-    blocks = [b for b in text.split("\n\n") if b.startswith("%fused")]
-    return [b.count("\n") for b in blocks if f") -> {shape} {{" in b.split("\n")[0]]
+    return [b.count("\n") for b in _kernels(fn, tree, shape)]
 
 
 @xla_cpu_only
@@ -111,11 +130,7 @@ def test_scaling_kernels_do_not_recompute_the_factor(mode):
     # ops of exponents and powers of two) reached each leaf's scaling kernel, compile
     # time would grow ~10x per leaf (3.7 s -> 1.7 s on a 193-leaf transformer once fixed).
     tree = {f"w{i}": jnp.ones((128, 160)) for i in range(12)}
-    fn = {
-        "global": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0)[0],
-        "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0)[0],
-    }[mode]
-    sizes = _kernel_sizes(fn, tree, "f32[128,160]")
+    sizes = _kernel_sizes(_WHOLE[mode], tree, "f32[128,160]")
     assert len(sizes) >= 12, sizes  # one scaling kernel per leaf
     # x, f0, f1 (per-leaf factors: dynamic slices of the stacked vectors); compare,
     # select, 2 mul
@@ -124,12 +139,9 @@ def test_scaling_kernels_do_not_recompute_the_factor(mode):
 
 def _kernel_bodies(fn, tree, shape: str) -> list[str]:
     """The compiled fused computations that output ``shape``, with names blanked."""
-    text = jax.jit(fn).lower(tree).compile().as_text()
-    blocks = [b for b in text.split("\n\n") if b.startswith("%fused")]
     return [
         re.sub(r"%[\w.\-]+|, metadata=\{.*?\}", "", b.split("\n", 1)[1])
-        for b in blocks
-        if f") -> {shape} {{" in b.split("\n")[0]
+        for b in _kernels(fn, tree, shape)
     ]
 
 
@@ -143,10 +155,9 @@ def test_alike_leaves_share_one_scaling_kernel(mode):
     tree = {f"w{i}": jnp.ones((128, 160)) for i in range(6)}
     tree |= {f"b{i}": jnp.ones((96,)) for i in range(6)}
     agc = jaxclip.adaptive_clip(0.01)
-    fn = {
-        "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0)[0],
-        "adaptive": lambda g: agc.update(g, agc.init(tree), tree)[0],
-    }[mode]
+    fn = {"norm": _WHOLE["norm"], "adaptive": lambda g: agc.update(g, agc.init(tree), tree)[0]}[
+        mode
+    ]
     for shape in ("f32[128,160]", "f32[96]"):
         bodies = _kernel_bodies(fn, tree, shape)
         assert len(bodies) >= 6 and len(set(bodies)) == 1, (shape, len(bodies), len(set(bodies)))
@@ -155,8 +166,7 @@ def test_alike_leaves_share_one_scaling_kernel(mode):
 def _full_size_broadcasts(fn, tree, shape: str) -> list[str]:
     """Broadcasts to ``shape`` that the compiled program materialises (outside fusions,
     in every branch): memory_analysis() does not count a conditional branch's buffers."""
-    text = jax.jit(fn).lower(tree).compile().as_text()
-    blocks = [b for b in text.split("\n\n") if not b.startswith(("%fused", "%wrapped"))]
+    blocks = [b for b in _computations(fn, tree) if not b.startswith(("%fused", "%wrapped"))]
     return [
         line.split("=")[0].strip()
         for b in blocks
@@ -172,11 +182,7 @@ def test_rare_paths_materialise_no_broadcast(mode):
     # the factor's broadcast once, at full size, in the rare branch (6.7 MB and 1.4x the
     # rare path's time on 10 leaves of 1024 x 1640).
     tree = {f"w{i}": jnp.ones((256, 160)) for i in range(4)}
-    fn = {
-        "global": lambda g: jaxclip.clip_tree_by_global_norm(g, 1.0)[0],
-        "norm": lambda g: jaxclip.clip_tree_by_norm(g, 1.0)[0],
-    }[mode]
-    assert _full_size_broadcasts(fn, tree, "f32[256,160]") == []
+    assert _full_size_broadcasts(_WHOLE[mode], tree, "f32[256,160]") == []
 
 
 @xla_cpu_only
