@@ -15,6 +15,7 @@ from typing import Any, TypeGuard
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import tree_util as jtu
 
 from jaxclip._selectors import Selector
@@ -152,9 +153,14 @@ class Selection:
 
 
 def _mask_entries(mask: PyTree, tree: PyTree, gpaths: list[tuple[Any, ...]]) -> list[bool]:
-    """For each leaf of ``tree``, the bool of the ``need_clip`` entry over it (``mask`` is
-    a prefix of ``tree``; ``jax.tree.broadcast`` does the matching, this names the path
-    where it fails)."""
+    """For each leaf of ``tree``, the bool of the ``need_clip`` entry over it.
+
+    ``mask`` is a prefix of ``tree``: ``jax.tree.broadcast`` does the matching. Where the
+    two differ only in variable wrappers (a mask built from ``nnx.state(model, nnx.Param)``
+    meets the bare arrays ``nnx.Optimizer`` passes, or a plain dict meets an
+    ``nnx.State``), entries are matched by their paths as users name them (see
+    :func:`flatten_with_paths`); otherwise the error names the first path that does not fit.
+    """
     mkeys, mleaves, _ = flatten_with_paths(mask)
     for mpath, m in zip(mkeys, mleaves):
         if not _is_bool(m):
@@ -167,21 +173,36 @@ def _mask_entries(mask: PyTree, tree: PyTree, gpaths: list[tuple[Any, ...]]) -> 
         return [bool(m) for m in jax.tree.leaves(jax.tree.broadcast(mask, tree))]
     except ValueError:
         pass
-    mpaths = list(mkeys)
+    wanted = []
     for gpath in gpaths:
-        if not any(gpath[: len(m)] == m for m in mpaths):
+        over = [m for k, m in zip(mkeys, mleaves) if gpath[: len(k)] == k]
+        if not over:
             raise ValueError(
                 f"jaxclip: need_clip has no entry for the gradient leaf at "
                 f"{shown(path_str(gpath))}. Give need_clip the structure of the gradients "
                 "(or a prefix of it, one bool per subtree), or pass a callable "
                 "need_clip(path, leaf) -> bool."
             ) from None
-    extra = next((m for m in mpaths if not any(g[: len(m)] == m for g in gpaths)), ())
-    raise ValueError(
-        f"jaxclip: need_clip has an entry at {shown(path_str(extra))} but the "
-        "gradients have no leaf there. Build need_clip from the gradients' (or the "
-        "params') structure, e.g. jax.tree.map(lambda _: True, params)."
-    ) from None
+        wanted.append(bool(over[0]))
+    # Entries over None or optax.MaskedNode gradients are fine; over nothing at all, not.
+    is_empty = lambda x: x is None or isinstance(x, optax.MaskedNode)  # noqa: E731
+    every = [tuple(p) for p, _ in jtu.tree_flatten_with_path(tree, is_leaf=is_empty)[0]]
+    every += gpaths
+    for k in mkeys:
+        if not any(g[: len(k)] == k for g in every):
+            raise ValueError(
+                f"jaxclip: need_clip has an entry at {shown(path_str(k))} but the gradients "
+                f"have no leaf there (their leaves: {_some(gpaths)}). Build need_clip from "
+                "the gradients' (or the params') structure, e.g. "
+                "jax.tree.map(lambda _: True, params)."
+            ) from None
+    return wanted
+
+
+def _some(gpaths: Sequence[tuple[Any, ...]], n: int = 4) -> str:
+    """A few gradient paths, for error messages."""
+    names = [shown(path_str(g)) for g in gpaths[:n]]
+    return ", ".join(names) + (", ..." if len(gpaths) > n else "") if names else "none"
 
 
 #: What to do when init and update select different leaves (see :func:`check_same_selection`).

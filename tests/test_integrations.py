@@ -137,7 +137,10 @@ def _assert_applied(after, before, expected):
         np.testing.assert_allclose(moved, expected[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def test_flax_nnx_optimizer():
+@pytest.mark.parametrize("need_clip", ["rule", "mask of nnx.state", "plain dict mask"])
+def test_flax_nnx_optimizer(need_clip):
+    """``nnx.Optimizer`` passes bare arrays: a mask built from ``nnx.state(model,
+    nnx.Param)`` (Param-wrapped bools) and a plain dict mask must both line up with them."""
     nnx = pytest.importorskip("flax.nnx")
 
     class Model(nnx.Module):
@@ -150,7 +153,13 @@ def test_flax_nnx_optimizer():
 
     model, lr = Model(nnx.Rngs(0)), 0.05
     selected = lambda path: not path.endswith("bias")  # noqa: E731
-    clip = jaxclip.clip_by_global_norm(1.0, need_clip=lambda path, leaf: selected(path))
+    if need_clip == "rule":
+        mask = lambda path, leaf: selected(path)  # noqa: E731
+    elif need_clip == "mask of nnx.state":
+        mask = jax.tree.map(lambda p: p.ndim > 1, nnx.state(model, nnx.Param))
+    else:
+        mask = {k: {"kernel": True, "bias": False} for k in ("hidden", "out")}
+    clip = jaxclip.clip_by_global_norm(1.0, need_clip=mask)
     optimizer = nnx.Optimizer(model, optax.chain(clip, optax.sgd(lr, momentum=0.9)), wrt=nnx.Param)
 
     @nnx.jit

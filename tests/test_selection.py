@@ -278,6 +278,35 @@ def test_rules_inside_nnx_optimizer():
         )
 
 
+def test_nnx_masks_line_up_with_bare_arrays_and_name_a_real_mismatch():
+    # A mask of Param-wrapped bools (from the params), a plain dict and nnx.to_pure_dict's
+    # dict all select the same leaves of wrapped and of bare (nnx.as_pure) gradients.
+    params, grads = _nnx()
+    masks = [
+        jax.tree.map(lambda p: p.ndim > 1, params),
+        nnx.to_pure_dict(jax.tree.map(lambda p: p.ndim > 1, params)),
+    ]
+    expected = {p for p, x in zip(_seen_paths(grads), jax.tree.leaves(grads)) if x.ndim > 1}
+    for tree in (grads, nnx.as_pure(grads)):
+        for mask in masks:
+            clipped = jaxclip.clip_tree_by_value(tree, 1e-6, need_clip=mask)
+            changed = {
+                p
+                for p, a, b in zip(
+                    _seen_paths(tree), jax.tree.leaves(tree), jax.tree.leaves(clipped)
+                )
+                if a is not b
+            }
+            assert changed == expected
+    extra = nnx.to_pure_dict(jax.tree.map(lambda _: True, params)) | {"head": {"kernel": True}}
+    with pytest.raises(ValueError, match=r"entry at 'head/kernel' but the gradients have no leaf"):
+        jaxclip.global_norm(nnx.as_pure(grads), need_clip=extra)
+    missing = nnx.to_pure_dict(jax.tree.map(lambda _: True, params))
+    del missing["l2"]
+    with pytest.raises(ValueError, match=r"no entry for the gradient leaf at 'l2/bias'"):
+        jaxclip.global_norm(grads, need_clip=missing)
+
+
 def test_selectors_compose_and_read_as_written():
     rule = jaxclip.min_rank(2) & ~jaxclip.by_name("embedding") | jaxclip.by_path("head/*")
     assert repr(rule) == "min_rank(2) & ~by_name('embedding') | by_path('head/*')"
