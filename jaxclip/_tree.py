@@ -123,6 +123,8 @@ class Selection:
     leaves: list[Any]
     paths: list[str]
     selected: tuple[bool, ...]
+    #: What ``need_clip`` and ``group`` rules are shown per leaf (see :func:`select`).
+    views: list[Any]
 
     @property
     def indices(self) -> list[int]:
@@ -136,6 +138,11 @@ class Selection:
     @property
     def chosen_paths(self) -> list[str]:
         return [self.paths[i] for i in self.indices]
+
+    @property
+    def chosen_views(self) -> list[Any]:
+        """What rules are shown for the selected leaves, in flat order."""
+        return [self.views[i] for i in self.indices]
 
     def rebuild(self, new_chosen: Sequence[Any]) -> PyTree:
         """The tree with the selected leaves replaced, the others untouched."""
@@ -286,12 +293,25 @@ def is_selector_function(need_clip: Any) -> TypeGuard[Callable[[str, Any], bool]
     return not all(_is_bool(m) for m in leaves)
 
 
+def one_example(leaf: Any) -> Any:
+    """A per-example gradient leaf as a rule sees it: a ``jax.ShapeDtypeStruct`` of one
+    example (the shape without the leading batch axis), so that ``min_rank(2)`` and
+    ``leaf.ndim`` rules pick the same leaves as they do among the params. Scalars and
+    non-array leaves are shown as they are."""
+    shape = getattr(leaf, "shape", None)
+    dtype = getattr(leaf, "dtype", None)
+    if not shape or dtype is None:
+        return leaf
+    return jax.ShapeDtypeStruct(tuple(shape[1:]), dtype)
+
+
 def select(
     tree: PyTree,
     need_clip: NeedClip,
     *,
     allow_complex: bool = True,
     what: str = "clipping",
+    view: Callable[[Any], Any] | None = None,
 ) -> Selection:
     """Flattens ``tree`` and decides, statically, which leaves take part.
 
@@ -305,6 +325,8 @@ def select(
         stand over a None, ``optax.MaskedNode`` or empty (``{}``) subtree of ``tree``.
       allow_complex: whether complex leaves may be selected (not for value clipping).
       what: the operation, for error messages.
+      view: what a rule (``need_clip`` or ``group``) is shown of each leaf, e.g.
+        :func:`one_example` for per-example gradients; the leaf itself by default.
 
     Returns:
       The :class:`Selection`.
@@ -316,12 +338,13 @@ def select(
     gpaths, leaves, treedef = flatten_with_paths(tree)
     paths = [path_str(p) for p in gpaths]
     dtypes = [leaf_dtype(x, p) for x, p in zip(leaves, paths)]
+    views = leaves if view is None else [view(x) for x in leaves]
 
     if need_clip is None:
         wanted = [jnp.issubdtype(d, jnp.inexact) for d in dtypes]
     elif is_selector_function(need_clip):
         wanted, fn = [], as_function(need_clip)
-        for x, p in zip(leaves, paths):
+        for x, p in zip(views, paths):
             w = call_rule(fn, "need_clip", p, x)
             if not isinstance(w, (bool, np.bool_)):
                 raise TypeError(
@@ -350,4 +373,4 @@ def select(
                 "with need_clip."
             )
         selected.append(bool(w))
-    return Selection(treedef, leaves, paths, tuple(selected))
+    return Selection(treedef, leaves, paths, tuple(selected), views)

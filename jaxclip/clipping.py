@@ -314,7 +314,8 @@ def _group_labels(
     """The distinct labels (first-seen order) and the label of each selected leaf."""
     label_of = _tree.as_function(group)
     per_leaf = [
-        _tree.call_rule(label_of, "group", path, x) for path, x in zip(sel.chosen_paths, sel.chosen)
+        _tree.call_rule(label_of, "group", path, x)
+        for path, x in zip(sel.chosen_paths, sel.chosen_views)
     ]
     for path, label in zip(sel.chosen_paths, per_leaf):
         if label is None:

@@ -11,6 +11,7 @@ and factors from ``_norms.clip_scale``, as for every other mode.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -187,7 +188,7 @@ def _per_example(
     """The work of both public functions: ``(tree, norms, clipped_fractions, batch)``, with
     per-label norms and fractions (one label, None, without ``group``). Noise of standard
     deviation ``noise_std`` is added to the selected leaves' sums when ``key`` is given."""
-    sel = _tree.select(grads, need_clip, what="per-example clipping")
+    sel = _tree.select(grads, need_clip, what="per-example clipping", view=_tree.one_example)
     xs = [jnp.asarray(x) for x in sel.chosen]
     # Unselected floating leaves are reduced too (not clipped): they need the batch axis.
     rest = [
@@ -290,18 +291,58 @@ def _arrays(
         return outs, list(rest), norms, fractions
     keys = [None] * len(xs) if key is None else list(jax.random.split(key, len(xs)))
     outs = []
-    for x, s, k in zip(xs, scales, keys):
+    for x, s, k, path in zip(xs, scales, keys, paths):
         w, unlift = _weights(s, clip_norm, x.shape[0])
         total = _contract(w, x) * unlift  # exact (a power of two); fuses with what follows
         if k is not None:  # one independent draw per leaf (and per step: a fresh key)
-            std = jnp.asarray(noise_std, total.real.dtype)
-            total = total + std * jax.random.normal(k, total.shape, total.real.dtype)
+            k, share = _device_noise(k, x, axis_name, path)
+            total = total + _normal(k, total, noise_std * share)
         outs.append(_finish(total, x.dtype, reduce, batch))
     rest_outs = []
     for x in rest:
         total = _contract(jnp.ones((x.shape[0],), _norms.acc_dtype(x.dtype)), x)
         rest_outs.append(_finish(total, x.dtype, reduce, batch))
     return outs, rest_outs, norms, fractions
+
+
+def _normal(key: Array, like: Array, std: Any) -> Array:
+    """Gaussian noise of standard deviation ``std`` shaped like ``like``; for a complex
+    leaf, ``std`` on the real and on the imaginary part, each drawn independently (the
+    noise a real leaf stored as two real parts would get)."""
+    real = like.real.dtype
+    std = jnp.asarray(std, real)
+    if not jnp.iscomplexobj(like):
+        return std * jax.random.normal(key, like.shape, real)
+    re, im = jax.random.normal(key, (2, *like.shape), real)
+    return lax.complex(std * re, std * im)
+
+
+def _device_noise(key: Array, x: Array, axis_name: AxisName, path: str) -> tuple[Array, Any]:
+    """Inside ``shard_map``, the key of this device's noise for its block of the leaf ``x``
+    and the share of the standard deviation it draws.
+
+    Devices that hold different blocks (different features, or different examples) draw
+    independent noise: the key is folded with the device's index on every axis ``x``
+    varies across. The axes that split the batch (those ``x`` varies across and
+    ``axis_name`` does not name) hold partial sums that the caller adds up, so each
+    draws ``1/sqrt(devices)`` of the standard deviation and the total has the full one.
+    Outside ``shard_map`` the key is used as it is.
+    """
+    if not _norms._vma_tracked():
+        manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+        if manual:
+            raise ValueError(
+                f"jaxclip: per-example noise inside shard_map with check_vma=False (axes "
+                f"{manual}): jaxclip cannot tell which devices hold different examples, so it "
+                "cannot draw the noise once. Use shard_map's default check_vma=True."
+            )
+        return key, 1.0
+    varying = sorted(_norms._varying(x))
+    features = set(_norms.combine_axes(x, axis_name, False, path))
+    for axis in varying:
+        key = jax.random.fold_in(key, lax.axis_index(axis))
+    devices = math.prod(lax.axis_size(a) for a in varying if a not in features)
+    return key, 1 / math.sqrt(devices)
 
 
 def _is_float(x: Any) -> bool:
@@ -366,7 +407,10 @@ def clip_tree_per_example(
         ``(B, *param_shape)``.
       clip_norm: the largest per-example norm, > 0.
       norm_type: ``p > 0`` or ``float('inf')``.
-      need_clip: which leaves are clipped (see :func:`clip_by_value`); unselected
+      need_clip: which leaves are clipped (see :func:`clip_by_value`). A rule
+        (``need_clip`` or ``group``) is shown each leaf as one example, a
+        ``jax.ShapeDtypeStruct`` without the batch axis, so ``min_rank(2)`` picks the
+        same leaves as among the params. Unselected
         floating-point leaves are summed (averaged) without clipping, ``float0`` leaves
         lose their batch axis, and an integer leaf is a ValueError when ``reduce`` is set
         (with ``reduce=None`` other leaves pass through).
@@ -426,7 +470,8 @@ def clip_per_example(
     returns one update of the params' shapes: per leaf, ``(sum_b clip(g_b) + noise) / B``
     for ``reduce="mean"``, with Gaussian noise of standard deviation
     ``noise_multiplier * clip_norm`` (float32 for 16-bit leaves, added before rounding)
-    drawn afresh for every leaf and every step. Clipping is as in
+    drawn afresh for every leaf and every step; a complex leaf gets that standard deviation
+    on its real and on its imaginary part (it is clipped as the pair of them). Clipping is as in
     :func:`clip_tree_per_example`. Put it first in a chain; ``optax.MultiSteps`` and
     other gradient accumulation would average noise that DP-SGD accounts once per step.
 
@@ -449,10 +494,16 @@ def clip_per_example(
       noise_multiplier: the noise's standard deviation over ``clip_norm``, >= 0.
       seed: an int, or a ``jax.random`` key, for the noise.
       norm_type: ``p > 0`` or ``float('inf')``.
-      need_clip: which leaves are clipped (see :func:`clip_by_value`).
+      need_clip: which leaves are clipped (see :func:`clip_tree_per_example`: a rule
+        sees one example's shape, so ``init`` on the params and ``update`` select alike).
       group: per-label clipping (see :func:`clip_tree_per_example`).
       batch_size: the batch size, to keep every example's norm in the state.
-      axis_name: inside ``shard_map`` (see :func:`clip_tree_per_example`).
+      axis_name: inside ``shard_map`` (see :func:`clip_tree_per_example`). Data parallel
+        (the batch split over "data", ``axis_name=()``), each device returns its
+        examples' clipped sum plus its share of the noise: the sum of the devices' results
+        (``lax.psum`` for ``reduce="sum"``, ``lax.pmean`` for ``"mean"``) has the noise
+        of one draw, and devices holding different feature blocks draw independently.
+        This needs shard_map's default ``check_vma=True`` (a ValueError otherwise).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`ClipPerExampleState`.

@@ -205,6 +205,30 @@ def test_need_clip_unselected_leaves_reduced_unclipped(need_clip):
     _close(got, want, 2e-6)
 
 
+@pytest.mark.parametrize(
+    "need_clip", [jaxclip.min_rank(2), jaxclip.exclude_biases_and_norms()], ids=repr
+)
+def test_rules_see_one_example_not_the_batch_axis(need_clip):
+    # Among the params only the (3, 4) kernel is a matrix: bias (4,) and head/0 (2,) are
+    # vectors, and must not be picked because their per-example gradients have rank 2.
+    g = _grads()
+    got, norms = jaxclip.clip_tree_per_example(g, 1.0, need_clip=need_clip)
+    want, n = _reference(g, 1.0, selected=[False, False, True])  # bias, head/0, kernel
+    np.testing.assert_allclose(norms, n, rtol=2e-6)
+    _close(got, want, 2e-6)
+
+
+def test_init_and_update_find_the_same_groups_by_rank():
+    # init sees the params, update the per-example gradients: a rank rule must agree.
+    g = _grads()
+    params = jax.tree.map(lambda x: np.zeros(x.shape[1:], x.dtype), g)
+    tx = jaxclip.clip_per_example(1.0, group=lambda path, leaf: leaf.ndim, batch_size=B)
+    _, state = tx.update(g, tx.init(params))
+    assert set(state.norms) == {1, 2}
+    _, n = _reference({"kernel": g["kernel"]}, 1.0)
+    np.testing.assert_allclose(state.norms[2], n, rtol=2e-6)
+
+
 def test_grad_and_chain():  # jit: the doctests and test_inject_hyperparams_...
     g = jax.tree.map(jnp.asarray, _grads())
     g = {**g, "head": [g["head"][0].at[0].set(0.0)]}
@@ -283,6 +307,18 @@ def test_noise_statistics():
     np.testing.assert_array_equal(u1["a"], again)  # the seed fixes the noise
     other = jaxclip.clip_per_example(0.5, noise_multiplier=3.0, seed=2)
     assert not np.array_equal(u1["a"], other.update(zeros, other.init(params))[0]["a"])
+
+
+def test_complex_leaves_get_noise_on_both_parts():
+    # A complex parameter is two real ones (its norm is that of the pair): the Gaussian
+    # mechanism adds the full std to each part, independently.
+    zeros = {"z": np.zeros((2, 4000), np.complex64)}
+    tx = jaxclip.clip_per_example(0.5, noise_multiplier=3.0, reduce="sum", seed=1)
+    u = np.asarray(tx.update(zeros, tx.init({"z": zeros["z"][0]}))[0]["z"])
+    assert u.dtype == np.complex64
+    for part in (u.real, u.imag):
+        assert abs(part.std() / 1.5 - 1) < 0.05
+    assert abs(np.corrcoef(u.real, u.imag)[0, 1]) < 0.07
 
 
 def test_errors_name_the_leaf():

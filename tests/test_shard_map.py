@@ -339,3 +339,64 @@ def test_per_example_with_the_batch_split_on_an_explicit_mesh():
         got, n = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0))(placed)
     np.testing.assert_allclose(got["w"], want["w"], rtol=2e-6)
     np.testing.assert_allclose(n, want_n, rtol=2e-6)
+
+
+def _noise_blocks(mesh, spec, axis_name, shape=(16, 2048)):
+    """Each device's update of ``clip_per_example`` with noise on all-zero per-example
+    gradients of ``shape`` split by ``spec``, stacked per device, and their sum over
+    "data" (the data-parallel gradient sum the docs ask for)."""
+    tx = jaxclip.clip_per_example(
+        1.0, noise_multiplier=1.0, reduce="sum", seed=3, axis_name=axis_name
+    )
+
+    def body(g):
+        u = tx.update({"w": g}, tx.init({"w": g[0]}))[0]["w"]
+        return u[None], jax.lax.psum(u, "data")
+
+    out = P("model") if "model" in mesh.axis_names else P()
+    f = jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=(P(mesh.axis_names), out))
+    zeros = jax.device_put(np.zeros(shape, np.float32), NamedSharding(mesh, spec))
+    blocks, total = jax.jit(f)(zeros)
+    return np.asarray(blocks, np.float64), np.asarray(total, np.float64)
+
+
+def _assert_independent(blocks):
+    flat = blocks.reshape(blocks.shape[0], -1)
+    corr = np.corrcoef(flat)[np.triu_indices(len(flat), 1)]
+    assert np.abs(corr).max() < 0.12, corr  # 2048 draws: sd 0.022
+
+
+def test_dp_noise_is_drawn_once_over_data_parallel_devices():
+    """Each of 8 data-parallel devices sums its examples; their sum over "data" must have
+    the noise std of one draw (1.0), not 8 identical draws (std 8)."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    blocks, total = _noise_blocks(mesh, P("data"), ())
+    assert abs(total.std() - 1.0) < 0.05, total.std()  # 2048 draws: sd of the ratio 1.6%
+    assert abs(blocks.std() * math.sqrt(8) - 1.0) < 0.05
+    _assert_independent(blocks)
+
+
+def test_dp_noise_on_a_feature_split_leaf_is_independent_per_shard():
+    """Batch over "data" (2), features over "model" (4): every device's block is its own
+    draw, and the sum over "data" has std 1 on every feature."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    blocks, total = _noise_blocks(mesh, P("data", "model"), ("model",), shape=(8, 4 * 2048))
+    assert total.shape == (4 * 2048,)
+    for shard in total.reshape(4, 2048):
+        assert abs(shard.std() - 1.0) < 0.06, shard.std()
+    _assert_independent(blocks)
+    _assert_independent(total.reshape(4, 2048))
+
+
+def test_dp_noise_with_check_vma_false_is_refused():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    tx = jaxclip.clip_per_example(1.0, noise_multiplier=1.0, axis_name=())
+    f = jax.shard_map(
+        lambda g: tx.update({"w": g}, tx.init({"w": g[0]}))[0]["w"],
+        mesh=mesh,
+        in_specs=(P("data"),),
+        out_specs=P("data"),
+        check_vma=False,
+    )
+    with pytest.raises(ValueError, match=r"check_vma=False.*Use shard_map's default"):
+        jax.jit(f)(jax.device_put(np.zeros((16, 4), np.float32), NamedSharding(mesh, P("data"))))
