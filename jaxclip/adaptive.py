@@ -767,6 +767,13 @@ def skip_large_updates(
     References:
       ``optax.apply_if_finite`` (``optax/transforms/_conditionality.py``)
     """
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        what = getattr(inner, "__name__", type(inner).__name__)
+        hint = f" Call it: {what}(...) builds one." if callable(inner) else ""
+        raise TypeError(
+            f"jaxclip.skip_large_updates: inner={what} is not an optax.GradientTransformation "
+            f"(it has no init and update).{hint} E.g. skip_large_updates(optax.adam(1e-3), 10.0)."
+        )
     _checks.check_threshold(threshold, "skip_large_updates")
     p = _checks.check_norm_type(norm_type)
     if max_consecutive_errors is not None:

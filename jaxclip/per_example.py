@@ -201,6 +201,12 @@ def _per_example(
         [*sel.chosen_paths, *(sel.paths[i] for i in rest)],
         fn,
     )
+    if batch == 0 and reduce == "mean":
+        raise ValueError(
+            f"jaxclip.{fn}: the per-example gradients have batch size 0, and the mean over "
+            "no examples is undefined (NaN, or inf with noise). Skip empty batches, or use "
+            'reduce="sum".'
+        )
     if group is None:
         labels, per_leaf = [None], [None] * len(xs)
     else:

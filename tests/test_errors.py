@@ -147,3 +147,11 @@ def test_a_failing_need_clip_rule_names_the_leaf():
     with pytest.raises(TypeError) as info:
         jaxclip.clip_tree_by_global_norm(tree, 1.0, need_clip=lambda path: True)
     assert "raised by need_clip('enc/w', leaf)" in "".join(info.value.__notes__)
+
+
+def test_skip_large_updates_refuses_an_optimizer_factory():
+    # optax.adam is the factory; its first update would fail far from the cause.
+    with pytest.raises(TypeError, match=r"inner=adam is not an optax.GradientTransformation"):
+        jaxclip.skip_large_updates(optax.adam, 10.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"inner=int is not"):
+        jaxclip.skip_large_updates(3, 10.0)  # type: ignore[arg-type]

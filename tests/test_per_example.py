@@ -309,6 +309,18 @@ def test_noise_statistics():
     assert not np.array_equal(u1["a"], other.update(zeros, other.init(params))[0]["a"])
 
 
+def test_an_empty_batch_has_no_mean():
+    empty = {"w": np.zeros((0, 3), np.float32)}
+    with pytest.raises(ValueError, match=r"batch size 0, and the mean over no examples"):
+        jaxclip.clip_tree_per_example(empty, 1.0, reduce="mean")
+    tx = jaxclip.clip_per_example(1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=r"batch size 0"):
+        tx.update(empty, tx.init({"w": np.zeros(3, np.float32)}))
+    total, norms = jaxclip.clip_tree_per_example(empty, 1.0)  # the sum of nothing is 0
+    np.testing.assert_array_equal(total["w"], np.zeros(3))
+    assert norms.shape == (0,)
+
+
 def test_complex_leaves_get_noise_on_both_parts():
     # A complex parameter is two real ones (its norm is that of the pair): the Gaussian
     # mechanism adds the full std to each part, independently.
