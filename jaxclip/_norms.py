@@ -11,7 +11,9 @@ power of two read off its plain sum (:func:`_rescale`: an overflowed sum scales 
 every square that matters is normal and no sum overflows; it needs no pass for the
 maxima, and compiles to the plain sum's kernel shape with a scale. Other ``p`` scale per
 array (or slice) by the power of two of its largest magnitude (exact, never a subnormal
-factor), sum, and combine the parts by their exponents.
+factor), sum, and combine the parts by their exponents. Per-example norms read again only
+the rows of the examples out of range, one at a time, where those are at most one in
+:data:`ROWS_APART_OF`: a padding (all-zero) example costs its row, not a pass over the batch.
 
 On GPU and TPU (:data:`ONE_PASS`), where reductions are bound by memory, 2-norms over
 whole arrays and slices take Blue's pass directly, with no ``lax.cond``: measured on an
@@ -1639,6 +1641,28 @@ def _batchable_global_norm(
     return norm
 
 
+#: Per-example norms re-read the rows of their out-of-range examples one at a time when
+#: at most one in this many examples is out of range, else the whole batch at once.
+ROWS_APART_OF = 8
+
+
+def _rows_apart(units: Sequence[Array], combines: Sequence[Combine], shape: Shape) -> bool:
+    """Whether the rare path of per-example norms may read single examples' rows: each
+    unit whole on one device (a dynamic slice of a sharded batch axis would gather it) and
+    nothing combined across devices (a collective in a loop whose trip count differs)."""
+    return len(shape) == 1 and shape[0] > 1 and not any(combines) and all(map(_one_device, units))
+
+
+def _row(x: Array, b: Array) -> Array:
+    """``x[b]``; a 16-bit ``x`` passes a barrier with ``b`` first: XLA would otherwise
+    widen the whole array once, outside the loop that slices it (a float32 copy of every
+    leaf, 2 MB on four (16, 64, 128) leaves)."""
+    if x.dtype.itemsize != 2 or jnp.iscomplexobj(x):
+        return lax.dynamic_index_in_dim(x, b, 0, keepdims=False)
+    x, b = lax.optimization_barrier((x, b))
+    return lax.dynamic_index_in_dim(x, b, 0, False)
+
+
 def _global_norm_body(
     units: tuple[Array, ...],
     p: float,
@@ -1650,9 +1674,6 @@ def _global_norm_body(
     acc = result_dtype(units)
     shape = units[0].shape[:lead]
     axes = [tuple(range(lead, u.ndim)) if lead else None for u in units]
-
-    def keep(v: Array, u: Array) -> Array:  # a per-example value, to broadcast against u
-        return v.reshape(shape + (1,) * (u.ndim - lead))
 
     natives = [_native(u, b, p=p) for u, b in zip(units, bucketed)]
     if p == math.inf:
@@ -1669,27 +1690,33 @@ def _global_norm_body(
             _blue_sums(u, a, _native(u, b, rare=True)) for u, a, b in zip(units, axes, bucketed)
         ]
         return _blue_norm(*(_sum_over(q, combines, acc, shape) for q in zip(*parts)))
-    rare = [
-        _rare_native(u, b, p, a) if blue else _native(u, b, rare=True)
-        for u, b, a in zip(units, bucketed, axes)
-    ]
     sums = [_power_sum(u, p, a, nat) for u, a, nat in zip(units, axes, natives)]
     s = _sum_over(sums, combines, acc, shape)
     # The narrowest accumulation dtype decides: its underflow is what may be lost.
     narrow = min((acc_dtype(u.dtype) for u in units), key=lambda d: d.itemsize)
 
-    def scaled() -> Norm:
+    def scaled_of(us: Sequence[Array], s: Array, ok: Any, shape: Shape) -> Norm:
+        """The rare path over ``us`` (all examples, or one example's rows with ``shape``
+        ``()``) whose plain sums are ``s``."""
         # Native reductions for 16-bit units (see _native); one scale 2**-e for all (per
         # example), applied as two normal factors per dtype: for a 2-norm in one
         # accumulation dtype from the plain sum (_rescale), else from the largest
         # magnitude m = f * 2**e.
+        ax = [tuple(range(len(shape), u.ndim)) if shape else None for u in us]
+        rare = [
+            _rare_native(u, b, p, a) if blue else _native(u, b, rare=True)
+            for u, b, a in zip(us, bucketed, ax)
+        ]
+
+        def keep(v: Array, u: Array) -> Array:  # a per-example value, against u
+            return v.reshape(shape + (1,) * (u.ndim - len(shape)))
+
         if blue:
-            # Unbatched, the branch itself says the sum is out of range.
-            m, e, mant = None, _rescale(s, ok if shape else False), None
+            m, e, mant = None, _rescale(s, ok), None
         else:
             ms = [
                 _max_abs(u, a, acc_dtype(u.dtype), nat, parts=True)
-                for u, a, nat in zip(units, axes, rare)
+                for u, a, nat in zip(us, ax, rare)
             ]
             m = _max_over(ms, combines, acc, shape)
             e, mant = _scale_of(m, p)
@@ -1699,21 +1726,23 @@ def _global_norm_body(
         factors = (
             {acc: (1 / _pow2(e, acc),)}
             if blue
-            else {d: _factors(e, mant, d) for d in {acc_dtype(u.dtype) for u in units}}
+            else {d: _factors(e, mant, d) for d in {acc_dtype(u.dtype) for u in us}}
         )
         # A second, separately fused read; the factors pass the barrier too, else XLA:CPU
         # materialises their broadcast to the leaves' shape.
-        again, per_unit = _barrier(units, factors)
+        again, per_unit = _barrier(us, factors)
         ts = []
-        for u, a, nat, fs in zip(again, axes, rare, per_unit):
+        for u, a, nat, fs in zip(again, ax, rare, per_unit):
             ua = acc_dtype(u.dtype)
             f = tuple(keep(v, u) for v in fs[ua])
             ts.append(_reduce(u, _scaled_elem(p, ua), a, "sum", nat, f))
         t = _sum_over(ts, combines, acc, shape)
         n = _root_norm(t, p, e, mant)
-        return keep_fast(n if m is None else _special(m, n))
+        return n if m is None else _special(m, n)
 
-    def keep_fast(n: Norm) -> Norm:
+    def scaled() -> Norm:
+        # Unbatched, the branch itself says the sum is out of range.
+        n = scaled_of(units, s, ok if shape else False, shape)
         if not shape:
             return n
         # Examples in range keep the fast result: each one's norm, to the bit, does not
@@ -1721,8 +1750,27 @@ def _global_norm_body(
         f = _in_range_norm(s, p)
         return Norm(jnp.where(ok, f.frac, n.frac), jnp.where(ok, f.exp, n.exp))
 
+    def flagged() -> Norm:
+        # Only the examples out of range read their rows again, one at a time: one zero
+        # (padding) example costs a row, not a pass over the batch.
+        idx = jnp.nonzero(~ok, size=shape[0], fill_value=0)[0]
+
+        def one(j: Array, n: Norm) -> Norm:
+            b = idx[j]
+            rows = [_row(u, b) for u in units]
+            r = scaled_of(rows, s[b], False, ())
+            return Norm(n.frac.at[b].set(r.frac), n.exp.at[b].set(r.exp))
+
+        return lax.fori_loop(0, jnp.sum(~ok), one, _in_range_norm(s, p))
+
     ok = _exact_range(s, narrow)
-    return lax.cond(jnp.all(ok) if shape else ok, lambda: _in_range_norm(s, p), scaled)
+    if not shape:
+        return lax.cond(ok, lambda: _in_range_norm(s, p), scaled)
+    rare_path = scaled
+    if _rows_apart(units, combines, shape):
+        few = jnp.sum(~ok) <= max(1, shape[0] // ROWS_APART_OF)
+        rare_path = lambda: lax.cond(few, flagged, scaled)  # noqa: E731
+    return lax.cond(jnp.all(ok), lambda: _in_range_norm(s, p), rare_path)
 
 
 _global_norm = jax.custom_jvp(_global_norm_impl, nondiff_argnums=(1, 2, 3, 4))

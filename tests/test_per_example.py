@@ -7,6 +7,7 @@ small and fixed so that each jitted function compiles once.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -407,3 +408,79 @@ def test_averaged_gradients_are_refused_when_params_are_given():
     per_example = jax.tree.map(lambda x: jnp.ones((8, *x.shape)), params)
     out, _ = tx.update(per_example, tx.init(params), params)
     assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, params)
+
+
+def _flagged_batch(dtype, magnitudes):
+    """16 examples of three leaves (16-bit ones at their own scale), example b's leaves
+    scaled by ``magnitudes[b]``: 0 for a padding example, tiny ones whose squares
+    underflow float32, huge ones whose squares overflow it."""
+    rng = np.random.default_rng(3)
+    m = np.asarray(magnitudes, np.float64)[:, None]
+    tree = {
+        "w": rng.normal(size=(16, 300)) * m,
+        "b": rng.normal(size=(16, 7)) * m,
+        "h": rng.normal(size=(16, 65)) * m,
+    }
+    return jax.tree.map(lambda x: np.asarray(x).astype(dtype), tree)
+
+
+_MOST = [0.5, 2.0] * 8
+_FLAGGED = {
+    # At most one in eight examples out of range: their rows are read one at a time.
+    "one padding example": {15: 0.0},
+    "zero and tiny": {0: 0.0, 7: 1e-25},
+    # More: the whole batch is rescaled at once.
+    "half padding": dict.fromkeys(range(8, 16), 0.0),
+    "tiny, huge and zero": {1: 1e-30, 2: 1e30, 3: 0.0, 4: 3e-21, 5: 1e25},
+}
+
+
+@pytest.mark.parametrize("case", list(_FLAGGED))
+@pytest.mark.parametrize("p", [2.0, 3.0, 0.5])
+def test_examples_out_of_range_match_float64(case, p):
+    """Padding (all-zero) examples and examples whose powers underflow or overflow take
+    the rare path, alone or with the whole batch: each example's norm and the sum match
+    float64 (the in-range examples' norms too, to the bit of the plain path)."""
+    mags = list(_MOST)
+    for b, v in _FLAGGED[case].items():
+        mags[b] = v
+    g = _flagged_batch(np.float32, mags)
+    got, norms = _per_example_jit(g, p)
+    x = np.concatenate([np.asarray(v, np.float64) for v in jax.tree.leaves(g)], axis=1)
+    n = (np.abs(x) ** p).sum(1) ** (1 / p)
+    np.testing.assert_allclose(np.asarray(norms, np.float64), n, rtol=2e-6)
+    assert float(np.min(n)) == 0.0 or case == "tiny, huge and zero"
+    f = np.where(n <= 1.0, 1.0, 1.0 / np.where(n > 0, n, 1))
+    for k in g:
+        want = (np.asarray(g[k], np.float64) * f[:, None]).sum(0)
+        np.testing.assert_allclose(got[k], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@functools.cache
+def _per_example_compiled(p):
+    return jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0, norm_type=p))
+
+
+def _per_example_jit(g, p):
+    return _per_example_compiled(p)(g)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_padding_examples(dtype):
+    """16-bit leaves with one padding and one tiny example (rows read one at a time)."""
+    mags = list(_MOST)
+    mags[3], mags[9] = 0.0, 1e-30 if dtype == jnp.bfloat16 else 1e-4
+    g = _flagged_batch(dtype, mags)
+    norms = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0)[1])(g)
+    x = np.concatenate([np.asarray(v, np.float64) for v in jax.tree.leaves(g)], axis=1)
+    np.testing.assert_allclose(norms, np.sqrt((x**2).sum(1)), rtol=2e-6)
+
+
+def test_vmapped_global_norm_with_padding_examples():
+    """jax.vmap(global_norm) runs the per-example path: a zero and a tiny example."""
+    mags = list(_MOST)
+    mags[0], mags[5] = 0.0, 1e-24
+    g = _flagged_batch(np.float32, mags)
+    got = jax.jit(jax.vmap(jaxclip.global_norm))(g)
+    x = np.concatenate([np.asarray(v, np.float64) for v in jax.tree.leaves(g)], axis=1)
+    np.testing.assert_allclose(got, np.sqrt((x**2).sum(1)), rtol=2e-6)
