@@ -823,7 +823,9 @@ def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
     return names
 
 
-def combine_axes(x: Any, axis_name: AxisName, whole: bool, path: str = "") -> Combine:
+def combine_axes(
+    x: Any, axis_name: AxisName, whole: bool, path: str = "", batch: bool = False
+) -> Combine:
     """The mapped axes over which ``x``'s partial norms are summed (or maxed).
 
     Inside ``shard_map`` (``check_vma=True``) a whole-array norm is combined over exactly
@@ -833,7 +835,8 @@ def combine_axes(x: Any, axis_name: AxisName, whole: bool, path: str = "") -> Co
     ``axis_name`` names the axes to combine over; ``axis_name=()`` combines nothing.
 
     A per-slice norm (``whole=False``) of a varying ``x`` needs ``axis_name``: the local
-    block's shape does not say whether the reduced or the kept dimensions are split.
+    block's shape does not say whether the reduced or the kept dimensions are split
+    (``batch``: the kept dimension is a per-example batch, which the error then names).
     """
     tracked = _vma_tracked()
     varying = _varying(x) if tracked else frozenset()
@@ -846,6 +849,13 @@ def combine_axes(x: Any, axis_name: AxisName, whole: bool, path: str = "") -> Co
                 "reduced dimensions are split across devices. Pass axis_name= the mesh "
                 "axes that split the reduced dimensions (their partial norms are summed), "
                 "or axis_name=() if every slice is whole on each device."
+                + (
+                    " Data parallel (the batch split across devices, each example whole "
+                    "on one device) is axis_name=(); naming the batch's axis would sum "
+                    "different examples' norms."
+                    if batch
+                    else ""
+                )
             )
         return tuple(sorted(varying))
     names = _axis_names(axis_name)
@@ -2059,7 +2069,9 @@ def per_example_norm_parts(
       A :class:`Norm` of shape ``(batch,)`` in the widest accumulation dtype of the leaves.
     """
     names = paths or ("",) * len(leaves)
-    combines = tuple(combine_axes(x, axis_name, False, n) for x, n in zip(leaves, names))
+    combines = tuple(
+        combine_axes(x, axis_name, False, n, batch=True) for x, n in zip(leaves, names)
+    )
     # One reduced axis per example (a free reshape of a row-major leaf): XLA:CPU reduces
     # (B, n) 1.6x faster than (B, n1, n2) over two axes. Not for sharded leaves, whose
     # merged axes XLA could gather.

@@ -323,7 +323,24 @@ def _group_labels(
                 f"jaxclip: group({path!r}, leaf) returned None; return a label such as a str "
                 "(exclude leaves with need_clip instead)."
             )
-    return list(dict.fromkeys(per_leaf)), per_leaf
+        try:
+            hash(label)
+        except TypeError:
+            raise TypeError(
+                f"jaxclip: group({path!r}, leaf) returned {label!r}, which is not hashable; "
+                "return a str or int label (a tuple for a composite one)."
+            ) from None
+    labels = list(dict.fromkeys(per_leaf))
+    try:  # the state keeps a dict label -> norm, whose keys JAX sorts
+        sorted(labels)
+    except TypeError:
+        first = {type(label): (label, path) for path, label in zip(sel.chosen_paths, per_leaf)}
+        shown = [f"group({path!r}, leaf) returned {label!r}" for label, path in first.values()]
+        raise TypeError(
+            "jaxclip: group labels must be of one kind that sorts (all str, or all int): "
+            f"{' but '.join(shown[:2])}. Return str(label) for every leaf, for example."
+        ) from None
+    return labels, per_leaf
 
 
 def _check_same_groups(

@@ -155,3 +155,31 @@ def test_skip_large_updates_refuses_an_optimizer_factory():
         jaxclip.skip_large_updates(optax.adam, 10.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"inner=int is not"):
         jaxclip.skip_large_updates(3, 10.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "group, match",
+    [
+        # A layer index for some leaves and a name for others: JAX cannot sort the labels.
+        (
+            lambda path, leaf: 0 if path == "bias" else "enc",
+            r"one kind that sorts.*group\('bias', leaf\) returned 0 but .* returned 'enc'",
+        ),
+        (lambda path, leaf: [path], r"group\('bias', leaf\) returned \['bias'\], which is not"),
+    ],
+)
+def test_group_labels_that_cannot_key_a_state_name_the_leaves(group, match):
+    transforms = [
+        jaxclip.clip_by_global_norm(1.0, group=group),
+        jaxclip.clip_per_example(1.0, group=group),
+    ]
+    per_example = jax.tree.map(lambda x: jnp.ones((2, *x.shape)), GRADS)
+    for tx in transforms:
+        with pytest.raises(TypeError, match=match):
+            tx.init(GRADS)
+        with pytest.raises(TypeError, match=match):
+            jax.jit(tx.init)(GRADS)
+        with pytest.raises(TypeError, match=match):
+            jaxclip.clip_tree_by_global_norm(GRADS, 1.0, group=group)
+        with pytest.raises(TypeError, match=match):
+            jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0, group=group))(per_example)

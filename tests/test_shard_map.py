@@ -400,3 +400,37 @@ def test_dp_noise_with_check_vma_false_is_refused():
     )
     with pytest.raises(ValueError, match=r"check_vma=False.*Use shard_map's default"):
         jax.jit(f)(jax.device_put(np.zeros((16, 4), np.float32), NamedSharding(mesh, P("data"))))
+
+
+def test_data_parallel_per_example_names_axis_name_empty_and_reads_its_own_rows():
+    """Batch of 32 split over 8 devices, some of whose examples are zero (padding) or tiny:
+    each device re-reads only its own out-of-range rows, and the norms and the summed
+    update equal the single-device ones. Without axis_name the error says that data
+    parallel is axis_name=()."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    rng = np.random.default_rng(5)
+    g = {"w": rng.normal(size=(32, 6, 5)).astype(np.float32), "b": np.ones((32, 5), np.float32)}
+    for leaf in g.values():
+        leaf[[0, 9, 10, 31]] = 0.0  # padding: one device has two, two have one
+        leaf[20] *= np.float32(1e-24)  # squares underflow float32
+    want, want_n = jaxclip.clip_tree_per_example(g, 1.0)
+
+    def body(t, axis_name):
+        out, n = jaxclip.clip_tree_per_example(t, 1.0, axis_name=axis_name)
+        return jax.tree.map(lambda v: jax.lax.psum(v, "data"), out), n
+
+    placed = jax.device_put(g, NamedSharding(mesh, P("data")))
+    run = jax.shard_map(
+        lambda t: body(t, ()), mesh=mesh, in_specs=(P("data"),), out_specs=(P(), P("data"))
+    )
+    got, n = jax.jit(run)(placed)
+    np.testing.assert_allclose(n, want_n, rtol=2e-6)
+    x = np.concatenate([v.reshape(32, -1).astype(np.float64) for v in jax.tree.leaves(g)], 1)
+    np.testing.assert_allclose(n, np.sqrt((x**2).sum(1)), rtol=2e-6)  # float64 formula
+    for k in g:
+        np.testing.assert_allclose(got[k], want[k], rtol=2e-6, atol=1e-6)
+    unnamed = jax.shard_map(
+        lambda t: body(t, None), mesh=mesh, in_specs=(P("data"),), out_specs=(P(), P("data"))
+    )
+    with pytest.raises(ValueError, match=r"Data parallel .* is axis_name=\(\)"):
+        jax.jit(unnamed)(placed)
