@@ -154,6 +154,7 @@ def run(reps: int, eager_calls: int) -> dict[str, Any]:
     unused = big.at[jnp.arange(big.shape[0]) % 10 != 0].set(0.0)
     # DP-SGD batches padded to a fixed size: the padding examples' gradients are zero.
     padded = jax.tree.map(lambda x: x.at[-1].set(0.0), batched)
+    padded8 = jax.tree.map(lambda x: x.at[-8:].set(0.0), batched)
     for name, fn, args, base in [
         (
             "clip_by_norm, one all-zero leaf",
@@ -183,6 +184,12 @@ def run(reps: int, eager_calls: int) -> dict[str, Any]:
             "clip_tree_per_example (64 examples), the last one all zero",
             jax.jit(lambda g: jaxclip.clip_tree_per_example(g, CLIP)[0]),
             (padded,),
+            (batched,),
+        ),
+        (
+            "clip_tree_per_example (64 examples), the last 8 all zero",
+            jax.jit(lambda g: jaxclip.clip_tree_per_example(g, CLIP)[0]),
+            (padded8,),
             (batched,),
         ),
     ]:
