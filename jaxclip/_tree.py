@@ -8,6 +8,7 @@ Unselected leaves are handed back as the very same objects.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
@@ -261,11 +262,32 @@ def call_rule(fn: Callable[[str, Any], Any], name: str, path: str, leaf: Any) ->
     try:
         return fn(path, leaf)
     except Exception as e:
-        e.add_note(
+        note = (
             f"jaxclip: raised by {name}({path!r}, leaf); {name} is called as "
             f"{name}(path, leaf) for every leaf, path a '/'-joined str."
         )
+        if isinstance(e, TypeError) and _takes_one(fn):
+            error = TypeError(
+                f"jaxclip: {name} takes one argument, but jaxclip calls it as {name}(path, "
+                "leaf) for every leaf. An optax-style mask function of the whole tree "
+                f"(lambda params: mask) is passed as its result: {name}=mask_fn(params)."
+            )
+            error.add_note(note)
+            raise error from e
+        e.add_note(note)
         raise
+
+
+def _takes_one(fn: Any) -> bool:
+    """Whether ``fn`` takes exactly one positional argument (an optax-style mask fn)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) == 1
 
 
 def as_function(rule: Any) -> Any:

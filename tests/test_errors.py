@@ -183,3 +183,13 @@ def test_group_labels_that_cannot_key_a_state_name_the_leaves(group, match):
             jaxclip.clip_tree_by_global_norm(GRADS, 1.0, group=group)
         with pytest.raises(TypeError, match=match):
             jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0, group=group))(per_example)
+
+
+def test_an_optax_style_mask_function_is_told_how_need_clip_is_called():
+    """optax masks are functions of the whole params tree; jaxclip's rule is per leaf."""
+    mask_fn = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)  # noqa: E731
+    with pytest.raises(TypeError, match=r"need_clip takes one argument.*need_clip=mask_fn"):
+        jaxclip.clip_tree_by_global_norm(GRADS, 1.0, need_clip=mask_fn)
+    # The fix it names works.
+    clipped, _ = jaxclip.clip_tree_by_global_norm(GRADS, 1.0, need_clip=mask_fn(GRADS))
+    assert clipped["bias"] is GRADS["bias"]
