@@ -275,8 +275,12 @@ def frexp(x: Array) -> tuple[Array, Array]:
     mant = (bits & ((1 << nm) - 1)) | ((bias - 1) << nm)
     f = lax.bitcast_convert_type(mant.astype(itype), x.dtype)
     e = e.astype(x.dtype) - jnp.where(sub, nm + 1, 0).astype(x.dtype)
-    special = (x == 0) | ~jnp.isfinite(x)
-    return jnp.where(special, x, f), jnp.where(special, 0, e).astype(x.dtype)
+    # A subnormal that the normalising product flushed (XLA:CPU) counts as 0, as in the
+    # sums; its bits read as 0.5 * 2**-150 (p < 1 norms counted each as 2**(-151 p)).
+    flushed = sub & (xs == 0)
+    special = (x == 0) | ~jnp.isfinite(x) | flushed
+    f = jnp.where(flushed, 0, jnp.where(special, x, f))
+    return f, jnp.where(special, 0, e).astype(x.dtype)
 
 
 def root(s: Array, p: float) -> Array:
@@ -1854,10 +1858,14 @@ def clip_scale(norm: Norm | Array, clip_norm: Any) -> Scale:
     # Both factors come out of a division: XLA copies cheap scalar ops into every kernel
     # that reads their result (a thousand leaves would each redo this maths), but not a
     # division, which it computes once.
-    f0 = (cf * _pow2(s0, acc)) / jnp.where(keep, 1, frac)
-    # c / n >= tiny / max, so the rest is >= minexp - 2 in practice: one more factor;
-    # f1 == 0 marks "keep".
-    f1 = 1 / jnp.where(keep, jnp.inf, _pow2(jnp.minimum(s0 - shift, -info.minexp), acc))
+    # The rest goes in one more normal factor; f1 == 0 marks "keep". Where c / n is below
+    # what two normal factors reach (~2**-251: a norm beyond the dtype's range, or c near
+    # its smallest normal), every output is below 4 * tiny and f0 flushes it to 0 (a
+    # clamped f1 left outputs up to ~1e12 c: p=0.1 norms of 1e88). Selected before the
+    # division, which stays the factor's last op.
+    rest = s0 - shift
+    f0 = jnp.where(rest > -info.minexp, 0, cf * _pow2(s0, acc)) / jnp.where(keep, 1, frac)
+    f1 = 1 / jnp.where(keep, jnp.inf, _pow2(jnp.minimum(rest, -info.minexp), acc))
     return Scale(f1 == 0, f0, f1)
 
 

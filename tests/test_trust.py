@@ -286,3 +286,43 @@ def test_derivative_through_a_complex_modulus_beyond_float32_is_finite(p):
     ):
         g = jax.grad(lambda z, fn=fn: jnp.real(fn(z)).sum())(z)
         assert np.all(np.isfinite(np.asarray(g)))  # the exact one, ~c / |z|, underflows
+
+
+@pytest.mark.parametrize(
+    ("n", "x", "c", "p"),
+    [
+        (4, 3e38, 1.5e-38, 2.0),  # the norm beyond float32, c near its smallest normal
+        (10_000, 3e38, 2e-38, 2.0),
+        (100_000, 1e38, 1.0, 0.1),  # a p=0.1 norm of 1e88
+        (4, 3e38, 1e-30, 2.0),  # c / n ~ 2**-228: two normal factors still reach it
+    ],
+)
+def test_factors_beyond_two_normal_factors_never_leave_outputs_above_c(n, x, c, p):
+    """c / n below ~2**-251 was clamped there: outputs stayed 8x (p=2, c=1.5e-38) to 1e12x
+    (p=0.1) above c. Outputs are x * c / n to float32's rounding, 0 where that is below
+    its normal range (XLA:CPU flushes it)."""
+    g = {"w": jnp.full(n, x, jnp.float32)}
+    norm64 = n ** (1 / p) * x  # float64: all elements equal
+    want = x * c / norm64
+    want = 0.0 if want < np.finfo(np.float32).tiny else want
+    for out in (
+        jaxclip.clip_tree_by_norm(g, c, norm_type=p)[0],
+        jaxclip.clip_tree_by_global_norm(g, c, norm_type=p)[0],
+    ):
+        w = np.asarray(out["w"], np.float64)
+        np.testing.assert_allclose(w, want, rtol=4e-6, atol=np.finfo(np.float32).tiny)
+        out_norm = float(np.sum(np.abs(w) ** p) ** (1 / p))
+        assert out_norm <= c * (1 + 1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU flushes subnormals")
+def test_flushed_subnormals_count_as_zero_in_fractional_norms():
+    """frexp's normalising product flushed subnormals, whose bits then read as
+    0.5 * 2**-150: at p=0.1 each counted 2.8e-5 (a leaf of 100 x 1e-3 and 99 900 x 1e-40
+    had norm 1.74e17, not the documented 1e17, nor the exact 6.2e17)."""
+    w = np.concatenate([np.full(100, 1e-3), np.full(99_900, 1e-40)]).astype(np.float32)
+    np.testing.assert_allclose(jaxclip.global_norm(w, norm_type=0.1), 1e17, rtol=1e-5)
+    sub = np.full(257, 6e-39, np.float32)
+    for p in (0.1, 0.2, 0.9):
+        assert float(jaxclip.global_norm(sub, norm_type=p)) == 0.0
+        assert float(jaxclip.clip_tree_by_norm(sub, 1.0, norm_type=p)[1]) == 0.0
