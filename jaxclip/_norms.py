@@ -1684,10 +1684,9 @@ def _row(x: Array, b: Array) -> Array:
     """``x[b]``; a 16-bit ``x`` passes a barrier with ``b`` first: XLA would otherwise
     widen the whole array once, outside the loop that slices it (a float32 copy of every
     leaf, 2 MB on four (16, 64, 128) leaves)."""
-    if x.dtype.itemsize != 2 or jnp.iscomplexobj(x):
-        return lax.dynamic_index_in_dim(x, b, 0, keepdims=False)
-    x, b = lax.optimization_barrier((x, b))
-    return lax.dynamic_index_in_dim(x, b, 0, False)
+    if x.dtype.itemsize == 2 and not jnp.iscomplexobj(x):
+        x, b = lax.optimization_barrier((x, b))
+    return lax.dynamic_index_in_dim(x, b, 0, keepdims=False)
 
 
 def _global_norm_body(
@@ -1788,14 +1787,15 @@ def _global_norm_body(
             r = scaled_of(rows, s[b], False, ())
             return Norm(n.frac.at[b].set(r.frac), n.exp.at[b].set(r.exp))
 
-        return lax.fori_loop(0, jnp.sum(~ok), one, _in_range_norm(s, p))
+        return lax.fori_loop(0, count, one, _in_range_norm(s, p))
 
     ok = _exact_range(s, narrow)
     if not shape:
         return lax.cond(ok, lambda: _in_range_norm(s, p), scaled)
     rare_path = scaled
     if _rows_apart(units, combines, shape):
-        few = jnp.sum(~ok) <= _rows_apart_limit(units, shape[0])
+        count = jnp.sum(~ok)  # examples out of range
+        few = count <= _rows_apart_limit(units, shape[0])
         rare_path = lambda: lax.cond(few, flagged, scaled)  # noqa: E731
     return lax.cond(jnp.all(ok), lambda: _in_range_norm(s, p), rare_path)
 

@@ -424,6 +424,12 @@ def _flagged_batch(dtype, magnitudes):
     return jax.tree.map(lambda x: np.asarray(x).astype(dtype), tree)
 
 
+def _norms64(g, p=2.0):
+    """float64: each example's p-norm over all leaves of ``g``."""
+    x = np.concatenate([np.asarray(v, np.float64) for v in jax.tree.leaves(g)], axis=1)
+    return (np.abs(x) ** p).sum(1) ** (1 / p)
+
+
 _MOST = [0.5, 2.0] * 8
 _FLAGGED = {
     # At most one in eight examples out of range: their rows are read one at a time.
@@ -445,9 +451,8 @@ def test_examples_out_of_range_match_float64(case, p):
     for b, v in _FLAGGED[case].items():
         mags[b] = v
     g = _flagged_batch(np.float32, mags)
-    got, norms = _per_example_jit(g, p)
-    x = np.concatenate([np.asarray(v, np.float64) for v in jax.tree.leaves(g)], axis=1)
-    n = (np.abs(x) ** p).sum(1) ** (1 / p)
+    got, norms = _per_example_jit(p)(g)
+    n = _norms64(g, p)
     np.testing.assert_allclose(np.asarray(norms, np.float64), n, rtol=2e-6)
     assert float(np.min(n)) == 0.0 or case == "tiny, huge and zero"
     f = np.where(n <= 1.0, 1.0, 1.0 / np.where(n > 0, n, 1))
@@ -457,12 +462,8 @@ def test_examples_out_of_range_match_float64(case, p):
 
 
 @functools.cache
-def _per_example_compiled(p):
+def _per_example_jit(p):
     return jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0, norm_type=p))
-
-
-def _per_example_jit(g, p):
-    return _per_example_compiled(p)(g)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -472,8 +473,7 @@ def test_low_precision_padding_examples(dtype):
     mags[3], mags[9] = 0.0, 1e-30 if dtype == jnp.bfloat16 else 1e-4
     g = _flagged_batch(dtype, mags)
     norms = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0)[1])(g)
-    x = np.concatenate([np.asarray(v, np.float64) for v in jax.tree.leaves(g)], axis=1)
-    np.testing.assert_allclose(norms, np.sqrt((x**2).sum(1)), rtol=2e-6)
+    np.testing.assert_allclose(norms, _norms64(g), rtol=2e-6)
 
 
 def test_vmapped_global_norm_with_padding_examples():
@@ -482,5 +482,4 @@ def test_vmapped_global_norm_with_padding_examples():
     mags[0], mags[5] = 0.0, 1e-24
     g = _flagged_batch(np.float32, mags)
     got = jax.jit(jax.vmap(jaxclip.global_norm))(g)
-    x = np.concatenate([np.asarray(v, np.float64) for v in jax.tree.leaves(g)], axis=1)
-    np.testing.assert_allclose(got, np.sqrt((x**2).sum(1)), rtol=2e-6)
+    np.testing.assert_allclose(got, _norms64(g), rtol=2e-6)
