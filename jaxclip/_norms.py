@@ -982,26 +982,33 @@ def _slice_unit_norms(
     axis_name: AxisName,
     paths: tuple[str, ...] | None,
     static_split: bool = False,
-) -> tuple[list[Norm], list[tuple[int, int]]]:
+    floor: Array | None = None,
+    report: str = "exact",
+) -> tuple[Any, list[tuple[int, int]]]:
     """The norms of the reduced units (leaves, or buckets of small leaves as rows, see
-    :func:`_layout`), and per leaf ``(unit, row)`` (row -1 for a whole unit)."""
+    :func:`_layout`), and per leaf ``(unit, row)`` (row -1 for a whole unit). With a
+    ``floor``, two lists of norms (see :func:`_unit_norms_body`)."""
     leaf_combines = _leaf_combines(leaves, axes, axis_name, paths)
     where = _layout(leaves, axes, bucket, leaf_combines)[0]
-    return _layout_norms(leaves, p, axes, axis_name, paths, static_split, bucket), where
+    norms = _layout_norms(leaves, floor, p, axes, axis_name, paths, static_split, bucket, report)
+    return norms, where
 
 
 @functools.partial(
-    jax.jit, static_argnames=("p", "axes", "axis_name", "paths", "static_split", "bucket")
+    jax.jit,
+    static_argnames=("p", "axes", "axis_name", "paths", "static_split", "bucket", "report"),
 )
 def _layout_norms(
     leaves: Sequence[Array],
+    floor: Array | None,
     p: float,
     axes: tuple[Axes, ...],
     axis_name: AxisName,
     paths: tuple[str, ...] | None,
     static_split: bool,
     bucket: bool,
-) -> list[Norm]:
+    report: str,
+) -> Any:
     """The unit norms of :func:`_slice_unit_norms`: jitted, so that two alike trees (AGC's
     gradients and params) trace it once."""
     leaf_combines = _leaf_combines(leaves, axes, axis_name, paths)
@@ -1023,8 +1030,10 @@ def _layout_norms(
         combines.append(c)
     bucketed = (False,) * (len(units) - len(buckets)) + (True,) * len(buckets)
     if not units:
-        return []
-    return _unit_norms(tuple(units), p, tuple(unit_axes), bucketed, tuple(combines), static_split)
+        return [] if floor is None else ([], [])
+    return _unit_norms(
+        tuple(units), floor, p, tuple(unit_axes), bucketed, tuple(combines), static_split, report
+    )
 
 
 @functools.cache
@@ -1083,7 +1092,7 @@ def slice_norms(
     return _per_leaf(leaves, norms, where)
 
 
-@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket", "axis_name", "paths"))
+@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket", "axis_name", "paths", "report"))
 def clip_slices(
     leaves: Sequence[Array],
     p: float,
@@ -1093,11 +1102,15 @@ def clip_slices(
     bucket: bool = True,
     axis_name: AxisName = None,
     paths: tuple[str, ...] | None = None,
+    report: str = "exact",
 ) -> tuple[list[Array], list[Array]]:
     """Each leaf (each slice over its ``axes``) scaled to norm at most ``clip_norm``.
 
     The clipping factors are computed once per reduced unit (a bucket's rows together),
-    not once per leaf, so a thousand small leaves add a few scalar ops each.
+    not once per leaf, so a thousand small leaves add a few scalar ops each. They need
+    no exact norm of slices too small to reach ``clip_norm`` (all-zero rows): the norms
+    returned do (``report="exact"``, a second pass where such slices exist, which XLA
+    drops when they are unused), or only as far as each leaf's largest (``"largest"``).
 
     Returns:
       ``(clipped, norms)``: the scaled leaves, and per leaf its norms with the ``axes``
@@ -1105,20 +1118,25 @@ def clip_slices(
     """
     # The unit norms are split at constant offsets and stacked again right here, which XLA
     # folds away (split at opaque offsets, two kernels per unit ran on every call).
-    norms, where = _slice_unit_norms(leaves, p, axes, bucket, axis_name, paths, True)
+    floor = jnp.min(jnp.asarray(clip_norm))
+    (norms, reported), where = _slice_unit_norms(
+        leaves, p, axes, bucket, axis_name, paths, True, floor, report
+    )
 
-    def factors(frac: Array, exp: Array) -> tuple[Array, ...]:
-        n = Norm(frac, exp)
-        return (n.value, *clip_scale(n, clip_norm), frac, exp)
+    def factors(frac: Array, exp: Array, rfrac: Array, rexp: Array) -> tuple[Array, ...]:
+        # The reported value last: the opaque offsets are read off the first output, which
+        # would keep the reported norms' pass alive when they are unused.
+        return (*clip_scale(Norm(frac, exp), clip_norm), frac, exp, Norm(rfrac, rexp).value)
 
     fracs, exps = [n.frac for n in norms], [n.exp for n in norms]
-    per_leaf = stacked(factors, fracs, exps, where=where, raw=True)
-    scales = [Scale(*f[1:4]) for f in per_leaf]
-    leaf_norms = [Norm(*f[4:]) for f in per_leaf]  # read only by the derivative rule
+    rfracs, rexps = [n.frac for n in reported], [n.exp for n in reported]
+    per_leaf = stacked(factors, fracs, exps, rfracs, rexps, where=where, raw=True)
+    scales = [Scale(*f[:3]) for f in per_leaf]
+    leaf_norms = [Norm(*f[3:5]) for f in per_leaf]  # read only by the derivative rule
     cs = {n.frac.dtype: _as(clip_norm, n) for n in norms}
     out = clip_all(leaves, scales, leaf_norms, [cs[n.frac.dtype] for n in leaf_norms])
     values = []
-    for x, a, (value, *_) in zip(leaves, axes, per_leaf):
+    for x, a, (*_, value) in zip(leaves, axes, per_leaf):
         kept = () if a is None else tuple(d for i, d in enumerate(x.shape) if i not in a)
         if value.shape != kept:  # a single value: lax.reshape; else the slices' norms
             one = value.size == 1 and _one_device(value)
@@ -1145,8 +1163,15 @@ def clip_slices_relative(
     and each leaf reads its values once; None where ``refs`` bucket otherwise than
     ``leaves`` (dtypes that group differently), for the caller's per-leaf path.
     """
-    norms, where = _slice_unit_norms(leaves, 2.0, axes, True, axis_name, paths, True)
-    rnorms, rwhere = _slice_unit_norms(refs, 2.0, axes, True, axis_name, paths, True)
+    # Floors (see _unit_norms_body): a limit is at least clipping * eps, and a reference
+    # norm below eps counts as eps, so all-zero rows of either need no second pass.
+    eps_floor = jnp.min(jnp.asarray(eps))
+    (norms, _), where = _slice_unit_norms(
+        leaves, 2.0, axes, True, axis_name, paths, True, jnp.min(clipping * eps_floor)
+    )
+    (rnorms, _), rwhere = _slice_unit_norms(
+        refs, 2.0, axes, True, axis_name, paths, True, eps_floor
+    )
     if where != rwhere or [n.frac.shape for n in norms] != [n.frac.shape for n in rnorms]:
         return None
 
@@ -1169,20 +1194,25 @@ def clip_slices_relative(
 
 def _unit_norms_impl(
     units: tuple[Array, ...],
+    floor: Array | None,
     p: float,
     axes: tuple[Axes, ...],
     bucketed: tuple[bool, ...],
     combines: tuple[Combine, ...],
     static_split: bool,
-) -> list[Norm]:
+    report: str,
+) -> Any:
     """Norms over ``axes`` (keepdims) of each array, overflow-safe, with one shared cond;
     partial norms combined over each array's mapped axes (per-slice vectors, no data).
     With ``static_split`` the norms are split out of their stacked vectors at constant
     offsets: for a caller that stacks them again (XLA folds the pair away), not for one
-    whose per-leaf kernels read them (each would be a kernel of its own)."""
+    whose per-leaf kernels read them (each would be a kernel of its own).
+
+    With a ``floor`` (see :func:`_unit_norms_body`), two lists: norms exact at or above
+    the floor, and norms for the caller to ``report``."""
     if _has_unmapped(combines):
-        return _unit_norms_body(units, p, axes, bucketed, combines, static_split)
-    return _batchable_unit_norms(p, axes, bucketed, combines, static_split)(units)
+        return _unit_norms_body(units, floor, p, axes, bucketed, combines, static_split, report)
+    return _batchable_unit_norms(p, axes, bucketed, combines, static_split, report)(units, floor)
 
 
 def _broadcast_unbatched(
@@ -1200,75 +1230,97 @@ def _batchable_unit_norms(
     bucketed: tuple[bool, ...],
     combines: tuple[Combine, ...],
     static_split: bool,
-) -> Callable[[tuple[Array, ...]], list[Norm]]:
+    report: str,
+) -> Callable[[tuple[Array, ...], Array | None], Any]:
     """Per-slice norms with their own ``vmap`` rule: the batch axis is one more kept
-    axis, so the cond stays unbatched (a batched cond would run both branches)."""
+    axis, so the cond stays unbatched (a batched cond would run both branches). A
+    batched floor is its smallest value."""
 
     @jax.custom_batching.custom_vmap
-    def norms(units: tuple[Array, ...]) -> list[Norm]:
-        return _unit_norms_body(units, p, axes, bucketed, combines, static_split)
+    def norms(units: tuple[Array, ...], floor: Array | None) -> Any:
+        return _unit_norms_body(units, floor, p, axes, bucketed, combines, static_split, report)
 
     @norms.def_vmap
-    def rule(size: int, in_batched: Any, units: tuple[Array, ...]) -> tuple[list[Norm], Any]:
+    def rule(size: int, in_batched: Any, units: tuple[Array, ...], floor: Any) -> tuple[Any, Any]:
         units = _broadcast_unbatched(size, in_batched[0], units)
+        if floor is not None and in_batched[1]:
+            floor = jnp.min(floor)
         shifted = tuple(
             tuple(range(1, u.ndim)) if a is None else tuple(d + 1 for d in a)
             for u, a in zip(units, axes)
         )
-        out = _unit_norms_body(units, p, shifted, bucketed, combines, static_split)
-        return out, [Norm._make((True, True)) for _ in out]
+        out = _unit_norms_body(units, floor, p, shifted, bucketed, combines, static_split, report)
+        return out, jax.tree.map(lambda _: True, out)
 
     return norms
 
 
+def _floor_bound(acc: np.dtype, p: float) -> float:
+    """The largest norm of a slice whose power sum is below :func:`_exact_range`: the sum
+    is below ``lo = tiny * 2**64``, and underflow lost less than ``n * tiny < lo`` of it,
+    so the norm is below ``(2 lo)**(1/p)``; twice that, and at least ``tiny``."""
+    info = np.finfo(acc)
+    lo = float(info.tiny) * 2.0**64
+    return max((4 * lo) ** (1 / p), float(info.tiny))
+
+
 def _unit_norms_body(
     units: tuple[Array, ...],
+    floor: Array | None,
     p: float,
     axes: tuple[Axes, ...],
     bucketed: tuple[bool, ...],
     combines: tuple[Combine, ...],
     static_split: bool = False,
-) -> list[Norm]:
+    report: str = "exact",
+) -> Any:
+    """The exact norms of each unit; with a ``floor`` (a scalar), ``(floored, reported)``.
+
+    ``floored`` is exact where the norm may exceed ``floor``, and 0 in place of a norm
+    known to be below it: a slice whose plain sum is too small to be exact (all zeros:
+    an unused embedding row, a frozen leaf) is read again only when ``floor`` is below
+    :func:`_floor_bound` (a clipping factor keeps such a slice whatever its exact norm).
+    ``reported`` is, for ``report="exact"``, exact everywhere (its second pass is dropped
+    by XLA when the caller does not use it); for ``"largest"``, exact enough that each
+    leaf's largest norm is exact (a leaf with a slice well above the bound needs no
+    exact norms of its small slices). A leaf is a whole unit, or a row of a bucket.
+    """
     natives = [_native(x, b, p=p) for x, b in zip(units, bucketed)]
     accs = [acc_dtype(x.dtype) for x in units]
-    if p == math.inf:
-        ms, halves = _inf_norms(units, axes, natives)
-        ms = [_pmax(m, c) for m, c in zip(ms, combines)]
-        if halves is None:
-            return stacked(_inf_result, ms)
-        return stacked(_inf_result, ms, [_pmax(h, c) for h, c in zip(halves, combines)])
-    if p == 2.0 and _one_pass():
-        parts = [
-            tuple(_psum(t, c) for t in _blue_sums(x, a, _native(x, b, rare=True)))
-            for x, a, b, c in zip(units, axes, bucketed, combines)
-        ]
-        return stacked(_blue_norm, *(list(q) for q in zip(*parts)))
+    if p == math.inf or (p == 2.0 and _one_pass()):
+        norms = _single_pass_norms(units, p, axes, bucketed, combines, natives)
+        return norms if floor is None else (norms, norms)
     sums = [
         _psum(_power_sum(x, p, a, nat), c) for x, a, nat, c in zip(units, axes, natives, combines)
     ]
     # Both branches return the stacked vectors, split after the cond: split inside, each
     # unit's slice would be a kernel recomputing the whole vector's maths.
     groups = _stack_groups(sums)
+    flat = [v for (v,) in _stack(groups, sums)]
     # One flag from the stacked sums; the per-unit flags only inside the rare branch
     # (as operands of the cond they were two kernels per unit run on every call).
-    all_ok = functools.reduce(
-        jnp.logical_and, [jnp.all(_exact_range(v, v.dtype)) for (v,) in _stack(groups, sums)]
-    )
+    all_ok = _all([jnp.all(_exact_range(v, v.dtype)) for v in flat])
+
+    def low(s: Array) -> Array:
+        return s < float(np.finfo(s.dtype).tiny) * 2.0**64
 
     def flags() -> tuple[list[Array], list[Array]]:
         """Per slice whether its sum is in range, and per unit whether all are."""
         oks = [_exact_range(s, acc) for s, acc in zip(sums, accs)]
-        return oks, [ok.reshape(()) if ok.size == 1 else jnp.all(ok) for ok in oks]
+        return oks, [_every(ok) for ok in oks]
 
     def fast() -> list[Norm]:
-        return [_in_range_norm(s, p) for (s,) in _stack(groups, sums)]
+        return [_in_range_norm(s, p) for s in flat]
 
-    def scaled() -> list[Norm]:
-        # Per unit: only a unit with a slice out of range reads its data again: for p=2
-        # its sums rescaled (_rescale), else its maxima, then (unless those slices are all
-        # zeros) a scaled sum.
+    def scaled(skip: Callable[[int, Array, Array], Array] | None = None) -> list[Norm]:
+        # Per unit: only a unit with a slice out of range reads its data again (and with
+        # ``skip``, only where skip(unit, sums, oks) is false: its other slices out of
+        # range get norm 0): for p=2 its sums rescaled (_rescale), else its maxima, then
+        # (unless those slices are all zeros) a scaled sum.
         # For p=2 the factors of every unit are one set of kernels.
         oks, unit_ok = flags()
+        if skip is not None:
+            unit_ok = [skip(u, s, ok) for u, (s, ok) in enumerate(zip(sums, oks))]
         if p == 2.0:
             factors = stacked(_rescaled, sums, oks)
             # Branches as operand functions, one per (axes, bucketed, combine): JAX
@@ -1326,7 +1378,111 @@ def _unit_norms_body(
         return lax.cond(jnp.all(ok | (m == 0)), functools.partial(neutral, m), parts)
 
     shapes = [v.shape for v in sums]
-    return _unstack(lax.cond(all_ok, fast, scaled), groups, shapes, static=static_split)
+
+    def split(results: Any) -> list[Norm]:
+        return _unstack(results, groups, shapes, static=static_split)
+
+    if floor is None:
+        return split(lax.cond(all_ok, fast, scaled))
+
+    # Per dtype: is the floor above every small slice's norm? Then those need no pass.
+    fine = {acc: floor.astype(acc) >= _floor_bound(acc, p) for acc in set(accs)}
+    any_low = [jnp.any(low(v)) for v in flat]
+    over = _any([jnp.any(~(v < jnp.inf)) for v in flat])  # overflowed, or NaN
+    need = _any([over] + [lo & ~fine[v.dtype] for lo, v in zip(any_low, flat)])
+    left = _any([lo & fine[v.dtype] for lo, v in zip(any_low, flat)])  # some slice kept 0
+
+    def kept_small(u: int, s: Array, ok: Array) -> Array:
+        return _every(ok | (low(s) & fine[s.dtype]))
+
+    def cheap() -> list[Norm]:
+        return [Norm(*(jnp.where(low(v), 0, h) for h in n)) for v, n in zip(flat, fast())]
+
+    floored = lax.cond(need, lambda: scaled(kept_small), cheap)
+    if report == "exact":
+
+        def exact(f: list[Norm]) -> list[Norm]:
+            return lax.cond(need & ~left, lambda f: f, lambda f: scaled(), f)
+
+        return split(floored), split(lax.cond(all_ok, lambda f: fast(), exact, floored))
+    # "largest": a leaf needs exact small norms only if none of its norms is above the
+    # bound (plain sums of 4 lo and above, see _floor_bound).
+    leaf_of = [_leaf_ids(shapes, members, bucketed) for members in groups]
+
+    def small_leaves(v: Array, ids: np.ndarray) -> Array:
+        """Per leaf (``ids`` per slice), whether it has a small slice and no large one."""
+        num = int(ids[-1]) + 1
+        top = jax.ops.segment_max(v, ids, num, indices_are_sorted=True)
+        least = jax.ops.segment_min(v, ids, num, indices_are_sorted=True)
+        return low(least) & ~(top >= 4 * float(np.finfo(v.dtype).tiny) * 2.0**64)
+
+    def unit_ids(u: int) -> np.ndarray:
+        g = next(g for g, members in enumerate(groups) if u in members)
+        before = groups[g][: groups[g].index(u)]
+        start = sum(math.prod(shapes[i]) for i in before)
+        ids = leaf_of[g][start : start + math.prod(shapes[u])]
+        return ids - ids[0]
+
+    def settled(u: int, s: Array, ok: Array) -> Array:
+        """Whether unit ``u`` has no overflowed slice and no leaf of small norms only."""
+        return ~jnp.any(~(s < jnp.inf)) & ~jnp.any(small_leaves(jnp.ravel(s), unit_ids(u)))
+
+    def largest(f: list[Norm]) -> list[Norm]:
+        some = _any([jnp.any(small_leaves(v, ids)) for v, ids in zip(flat, leaf_of)])
+        return lax.cond(some, lambda f: scaled(settled), lambda f: f, f)
+
+    return split(floored), split(lax.cond(all_ok, lambda f: f, largest, floored))
+
+
+def _single_pass_norms(
+    units: tuple[Array, ...],
+    p: float,
+    axes: tuple[Axes, ...],
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+    natives: Sequence[bool],
+) -> list[Norm]:
+    """Norms with no rare path: ``p=inf`` (maxima), and Blue's one pass for ``p=2``."""
+    if p == math.inf:
+        ms, halves = _inf_norms(units, axes, natives)
+        ms = [_pmax(m, c) for m, c in zip(ms, combines)]
+        if halves is None:
+            return stacked(_inf_result, ms)
+        return stacked(_inf_result, ms, [_pmax(h, c) for h, c in zip(halves, combines)])
+    parts = [
+        tuple(_psum(t, c) for t in _blue_sums(x, a, _native(x, b, rare=True)))
+        for x, a, b, c in zip(units, axes, bucketed, combines)
+    ]
+    return stacked(_blue_norm, *(list(q) for q in zip(*parts)))
+
+
+def _all(flags: Sequence[Array]) -> Array:
+    return functools.reduce(jnp.logical_and, flags)
+
+
+def _any(flags: Sequence[Array]) -> Array:
+    return functools.reduce(jnp.logical_or, flags)
+
+
+def _every(ok: Array) -> Array:
+    return ok.reshape(()) if ok.size == 1 else jnp.all(ok)
+
+
+def _leaf_ids(
+    shapes: Sequence[Shape], members: Sequence[int], bucketed: Sequence[bool]
+) -> np.ndarray:
+    """Per slice of a group's stacked vector, the leaf it belongs to: a bucket's rows are
+    leaves of their own, a whole unit's slices one leaf."""
+    ids, leaf = [], 0
+    for i in members:
+        n = math.prod(shapes[i])
+        if bucketed[i]:
+            ids.append(np.arange(leaf, leaf + n))
+            leaf += n
+        else:
+            ids.append(np.full(n, leaf))
+            leaf += 1
+    return np.concatenate(ids).astype(np.int32)
 
 
 Groups = list[list[int]]
@@ -1444,7 +1600,7 @@ def stacked(
     return _unstack(results, groups, [v.shape for v in lists[0]], where, raw=raw)
 
 
-_unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(1, 2, 3, 4, 5))
+_unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 
 
 @_unit_norms.defjvp
@@ -1454,16 +1610,22 @@ def _unit_norms_rule(
     bucketed: tuple,
     combines: tuple,
     static_split: bool,
+    report: str,
     primals: tuple,
     tangents: tuple,
 ):
-    (units,), (dunits,) = primals, tangents
-    norms = _unit_norms(units, p, axes, bucketed, combines, static_split)
-    outs = [
-        _dnorm(n, _psum(_tangent(x, dx, n, p, a), c))
-        for x, dx, n, a, c in zip(units, dunits, norms, axes, combines)
-    ]
-    return norms, [Norm(*o) for o in outs]
+    (units, floor), (dunits, _) = primals, tangents
+    out = _unit_norms(units, floor, p, axes, bucketed, combines, static_split, report)
+
+    def tangent(norms: list[Norm]) -> list[Norm]:
+        # Each list from its own norms, so that an unused list's pass is still dropped;
+        # a floored 0 has tangent 0 (its slice is kept, whose tangent is dx).
+        return [
+            Norm(*_dnorm(n, _psum(_tangent(x, dx, n, p, a), c)))
+            for x, dx, n, a, c in zip(units, dunits, norms, axes, combines)
+        ]
+
+    return out, (tangent(out) if floor is None else tuple(tangent(o) for o in out))
 
 
 # ----------------------------------------------------------------------------------------

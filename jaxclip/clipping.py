@@ -205,6 +205,23 @@ def clip_tree_by_norm(
       >>> norms
       Array([5. , 0.5], dtype=float32)
     """
+    return _clip_tree_by_norm(
+        tree, clip_norm, axes, norm_type, need_clip, error_if_nonfinite, axis_name, "exact"
+    )
+
+
+def _clip_tree_by_norm(
+    tree: PyTree,
+    clip_norm: ArrayLike,
+    axes: Axes,
+    norm_type: NormType,
+    need_clip: _tree.NeedClip,
+    error_if_nonfinite: bool,
+    axis_name: _norms.AxisName,
+    report: str,
+) -> tuple[PyTree, PyTree]:
+    """:func:`clip_tree_by_norm`; with ``report="largest"`` the norms are exact only as
+    far as each leaf's largest (:func:`_norms.clip_slices`)."""
     _checks.check_clip_norm(clip_norm, "clip_tree_by_norm")
     p = _checks.check_norm_type(norm_type)
     axes_t = _checks.check_axes(axes, "clip_tree_by_norm")
@@ -218,6 +235,7 @@ def clip_tree_by_norm(
         clip_norm,
         axis_name=axis_name,
         paths=tuple(sel.chosen_paths),
+        report=report,
     )
     if error_if_nonfinite:
         _norms.raise_if_nonfinite(
@@ -500,14 +518,10 @@ def clip_by_norm(
 
     def update_fn(updates: PyTree, state: ClipByNormState, params: Any = None):
         del params
-        clipped, norms = clip_tree_by_norm(
-            updates,
-            clip_norm,
-            axes=axes,
-            norm_type=norm_type,
-            need_clip=need_clip,
-            error_if_nonfinite=error_if_nonfinite,
-            axis_name=axis_name,
+        # The state keeps each leaf's largest norm: small slices (unused rows) need no
+        # exact norm beside a large one.
+        clipped, norms = _clip_tree_by_norm(
+            updates, clip_norm, axes, norm_type, need_clip, error_if_nonfinite, axis_name, "largest"
         )
         largest = jax.tree.map(_largest, norms)
         if isinstance(state, ClipByNormState):
