@@ -47,8 +47,8 @@ def norm(xs: Sequence[Any], p: float, axes: tuple[int, ...] | None = None) -> An
     return float(m * np.sum((flat / m) ** p) ** (1 / p))
 
 
-def scale(n: Any, c: float) -> Any:
-    """1 where n <= c, else c / n."""
+def scale(n: Any, c: Any) -> Any:
+    """1 where n <= c, else c / n (``c`` a number, or an array broadcast against ``n``)."""
     n = np.asarray(n, np.float64)
     return np.where(n <= c, 1.0, c / np.where(n <= c, 1.0, n))
 

@@ -141,6 +141,7 @@ def test_transform_state_keeps_each_leafs_exact_largest_norm():
     tx = jaxclip.clip_by_norm(1.0, axes=1)
     for update in (tx.update, jax.jit(tx.update)):
         updates, state = update(tree, tx.init(tree))
+        assert isinstance(state, jaxclip.ClipByNormState)
         for k, v in tree.items():
             want = np.max(ref.norm([v], 2.0, (1,)))
             np.testing.assert_allclose(float(state.norms[k]), want, rtol=4 * 2.0**-23, err_msg=k)
@@ -156,6 +157,7 @@ def test_transform_state_of_bucketed_small_leaves_is_exact():
     for p in (2.0, 3.0):
         tx = jaxclip.clip_by_norm(1.0, norm_type=p)
         _, state = jax.jit(tx.update)(tree, tx.init(tree))
+        assert isinstance(state, jaxclip.ClipByNormState)
         for k, v in tree.items():
             np.testing.assert_allclose(
                 float(state.norms[k]), ref.norm([v], p), rtol=4 * 2.0**-23, err_msg=k
