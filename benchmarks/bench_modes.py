@@ -53,6 +53,12 @@ def _naive_clip(t: Any) -> tuple[Any, jax.Array]:
     return jax.tree.map(lambda x: x * jnp.minimum(1.0, CLIP / n), t), n
 
 
+def _transform_update(tx: Any, like: Any) -> Callable:
+    """``tx.update`` under ``jit``, its state (and its logged norms) kept as an output."""
+    state = tx.init(like)
+    return jax.jit(lambda g: tx.update(g, state))
+
+
 def _row(name: str, ours: Callable, theirs: Callable, args: tuple, reps: int, what: str) -> dict:
     times = _time_interleaved([ours, theirs], [args, args], reps)
     row = {
@@ -177,6 +183,18 @@ def run(reps: int, eager_calls: int) -> dict[str, Any]:
         (
             "clip_by_norm(axes=1), 50000x512 embedding, 90% of the rows zero",
             jax.jit(lambda g: jaxclip.clip_tree_by_norm(g, CLIP, axes=1)[0]),
+            (unused,),
+            (big,),
+        ),
+        (
+            "clip_by_norm transform (state: each leaf's largest norm), one all-zero leaf",
+            _transform_update(jaxclip.clip_by_norm(CLIP), tree),
+            (zero_leaf,),
+            (tree,),
+        ),
+        (
+            "clip_by_norm(axes=1) transform, 50000x512 embedding, 90% of the rows zero",
+            _transform_update(jaxclip.clip_by_norm(CLIP, axes=1), big),
             (unused,),
             (big,),
         ),

@@ -14,7 +14,10 @@ array (or slice) by the power of two of its largest magnitude (exact, never a su
 factor), sum, and combine the parts by their exponents. Per-example norms read again only
 the rows of the examples out of range, one at a time, where those are few
 (:func:`_rows_apart_limit`): a padding (all-zero) example costs its row, not a pass over the
-batch.
+batch. Clipping needs no exact norm of a slice too small to reach the clip norm: per-slice
+factors come from norms with a floor (:func:`_unit_norms_body`), so all-zero rows (unused
+embedding rows) cost no second pass; the norms reported beside them take their own
+``lax.cond``, which XLA drops when the caller does not use them.
 
 On GPU and TPU (:data:`ONE_PASS`), where reductions are bound by memory, 2-norms over
 whole arrays and slices take Blue's pass directly, with no ``lax.cond``: measured on an

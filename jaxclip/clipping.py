@@ -41,6 +41,9 @@ class ClipByNormState(NamedTuple):
     Attributes:
       norms: a tree of the updates' structure: per selected leaf, the largest pre-clip
         norm of its slices (float32 scalar); None at leaves that are not selected.
+        Exact at any magnitude: a leaf whose every slice is all zeros or tiny (a frozen
+        leaf) is read once more to tell 0 from underflow; zero slices beside a larger
+        one (unused embedding rows) are not.
     """
 
     norms: PyTree
@@ -193,7 +196,9 @@ def clip_tree_by_norm(
     Returns:
       ``(clipped, norms)``: ``norms`` has the tree's structure with, per selected leaf,
       its pre-clip norms with the ``axes`` dimensions removed (a scalar when
-      ``axes=None``), and None at unselected leaves.
+      ``axes=None``), and None at unselected leaves. Under ``jit``, leave ``norms``
+      unused when you do not need them: all-zero slices (unused embedding rows) then
+      cost no second read, which their exact norms need.
 
     Example:
       >>> import jax.numpy as jnp, jaxclip
