@@ -1389,31 +1389,18 @@ def _unit_norms_body(
         return split(lax.cond(all_ok, fast, scaled))
 
     # Per dtype: is the floor above every small slice's norm? Then those need no pass.
-    fine = {acc: floor.astype(acc) >= _floor_bound(acc, p) for acc in set(accs)}
+    dtypes = sorted({v.dtype for v in flat}, key=str)
+    fine = tuple(floor.astype(d) >= _floor_bound(d, p) for d in dtypes)
     any_low = [jnp.any(low(v)) for v in flat]
     over = _any([jnp.any(~(v < jnp.inf)) for v in flat])  # overflowed, or NaN
-    need = _any([over] + [lo & ~fine[v.dtype] for lo, v in zip(any_low, flat)])
-    left = _any([lo & fine[v.dtype] for lo, v in zip(any_low, flat)])  # some slice kept 0
-
-    def kept_small(u: int, s: Array, ok: Array) -> Array:
-        return _every(ok | (low(s) & fine[s.dtype]))
-
-    def cheap() -> list[Norm]:
-        return [Norm(*(jnp.where(low(v), 0, h) for h in n)) for v, n in zip(flat, fast())]
-
-    floored = lax.cond(need, lambda: scaled(kept_small), cheap)
-    if report == "exact":
-
-        def exact(f: list[Norm]) -> list[Norm]:
-            return lax.cond(need & ~left, lambda f: f, lambda f: scaled(), f)
-
-        return split(floored), split(lax.cond(all_ok, lambda f: fast(), exact, floored))
-    # "largest": a leaf needs exact small norms only if none of its norms is above the
-    # bound (plain sums of 4 lo and above, see _floor_bound).
+    need = _any([over] + [lo & ~fine[dtypes.index(v.dtype)] for lo, v in zip(any_low, flat)])
+    left = _any([lo & fine[dtypes.index(v.dtype)] for lo, v in zip(any_low, flat)])
+    # A leaf is a whole unit, or a row of a bucket (see _leaf_ids).
     leaf_of = [_leaf_ids(shapes, members, bucketed) for members in groups]
 
     def small_leaves(v: Array, ids: np.ndarray) -> Array:
-        """Per leaf (``ids`` per slice), whether it has a small slice and no large one."""
+        """Per leaf (``ids`` per slice), whether it has a small slice and no large one
+        (a plain sum of 4 lo or more: above any small slice's norm, see _floor_bound)."""
         num = int(ids[-1]) + 1
         top = jax.ops.segment_max(v, ids, num, indices_are_sorted=True)
         least = jax.ops.segment_min(v, ids, num, indices_are_sorted=True)
@@ -1426,15 +1413,40 @@ def _unit_norms_body(
         ids = leaf_of[g][start : start + math.prod(shapes[u])]
         return ids - ids[0]
 
-    def settled(u: int, s: Array, ok: Array) -> Array:
-        """Whether unit ``u`` has no overflowed slice and no leaf of small norms only."""
-        return ~jnp.any(~(s < jnp.inf)) & ~jnp.any(small_leaves(jnp.ravel(s), unit_ids(u)))
+    def rare_pass(ops: tuple[tuple[Array, ...], Array]) -> list[Norm]:
+        """The rare pass for every use, told apart by operands (so it is traced once): a
+        unit is read again unless its slices out of range are all small where ``fines``
+        (per dtype) says the floor is above them; with ``whole``, unless it is settled:
+        no overflow, and each of its leaves has a norm above every small one."""
+        fines, whole = ops
 
-    def largest(f: list[Norm]) -> list[Norm]:
-        some = _any([jnp.any(small_leaves(v, ids)) for v, ids in zip(flat, leaf_of)])
-        return lax.cond(some, lambda f: scaled(settled), lambda f: f, f)
+        def skip(u: int, s: Array, ok: Array) -> Array:
+            kept = _every(ok | (low(s) & fines[dtypes.index(s.dtype)]))
+            if report != "largest":
+                return kept
+            small = jnp.any(small_leaves(jnp.ravel(s), unit_ids(u)))
+            return jnp.where(whole, ~jnp.any(~(s < jnp.inf)) & ~small, kept)
 
-    return split(floored), split(lax.cond(all_ok, lambda f: f, largest, floored))
+        return scaled(skip)
+
+    def cheap(ops: Any) -> list[Norm]:
+        return [Norm(*(jnp.where(low(v), 0, h) for h in n)) for v, n in zip(flat, fast())]
+
+    no, yes = jnp.zeros((), bool), jnp.ones((), bool)
+    floored = lax.cond(need, rare_pass, cheap, (fine, no))
+
+    def keep(ops: Any) -> list[Norm]:
+        return floored
+
+    if report == "exact":  # floored is exact when all is in range, or no slice was skipped
+        exact = (tuple(no for _ in fine), no)
+        return split(floored), split(lax.cond(all_ok | (need & ~left), keep, rare_pass, exact))
+
+    def some_small() -> Array:
+        return _any([jnp.any(small_leaves(v, ids)) for v, ids in zip(flat, leaf_of)])
+
+    some = lax.cond(all_ok, lambda: no, some_small)
+    return split(floored), split(lax.cond(some, rare_pass, keep, (fine, yes)))
 
 
 def _single_pass_norms(
