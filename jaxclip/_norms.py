@@ -1252,7 +1252,9 @@ def _batchable_unit_norms(
             tuple(range(1, u.ndim)) if a is None else tuple(d + 1 for d in a)
             for u, a in zip(units, axes)
         )
-        out = _unit_norms_body(units, floor, p, shifted, bucketed, combines, static_split, report)
+        out = _unit_norms_body(
+            units, floor, p, shifted, bucketed, combines, static_split, report, size
+        )
         return out, jax.tree.map(lambda _: True, out)
 
     return norms
@@ -1276,6 +1278,7 @@ def _unit_norms_body(
     combines: tuple[Combine, ...],
     static_split: bool = False,
     report: str = "exact",
+    batch: int = 1,
 ) -> Any:
     """The exact norms of each unit; with a ``floor`` (a scalar), ``(floored, reported)``.
 
@@ -1286,7 +1289,8 @@ def _unit_norms_body(
     ``reported`` is, for ``report="exact"``, exact everywhere (its second pass is dropped
     by XLA when the caller does not use it); for ``"largest"``, exact enough that each
     leaf's largest norm is exact (a leaf with a slice well above the bound needs no
-    exact norms of its small slices). A leaf is a whole unit, or a row of a bucket.
+    exact norms of its small slices). A leaf is a row of a bucket, else a whole unit,
+    or under the vmap rule (``batch`` examples leading) one example of it.
     """
     natives = [_native(x, b, p=p) for x, b in zip(units, bucketed)]
     accs = [acc_dtype(x.dtype) for x in units]
@@ -1395,23 +1399,17 @@ def _unit_norms_body(
     over = _any([jnp.any(~(v < jnp.inf)) for v in flat])  # overflowed, or NaN
     need = _any([over] + [lo & ~fine[dtypes.index(v.dtype)] for lo, v in zip(any_low, flat)])
     left = _any([lo & fine[dtypes.index(v.dtype)] for lo, v in zip(any_low, flat)])
-    # A leaf is a whole unit, or a row of a bucket (see _leaf_ids).
-    leaf_of = [_leaf_ids(shapes, members, bucketed) for members in groups]
+    big = {d: 4 * float(np.finfo(d).tiny) * 2.0**64 for d in dtypes}
 
-    def small_leaves(v: Array, ids: np.ndarray) -> Array:
-        """Per leaf (``ids`` per slice), whether it has a small slice and no large one
-        (a plain sum of 4 lo or more: above any small slice's norm, see _floor_bound)."""
-        num = int(ids[-1]) + 1
-        top = jax.ops.segment_max(v, ids, num, indices_are_sorted=True)
-        least = jax.ops.segment_min(v, ids, num, indices_are_sorted=True)
-        return low(least) & ~(top >= 4 * float(np.finfo(v.dtype).tiny) * 2.0**64)
-
-    def unit_ids(u: int) -> np.ndarray:
-        g = next(g for g, members in enumerate(groups) if u in members)
-        before = groups[g][: groups[g].index(u)]
-        start = sum(math.prod(shapes[i]) for i in before)
-        ids = leaf_of[g][start : start + math.prod(shapes[u])]
-        return ids - ids[0]
+    def small_leaves(u: int, s: Array) -> Array:
+        """Per leaf of unit ``u`` (a bucket's rows, else the unit, one per example under
+        the vmap rule), whether it has a small slice and none of a plain sum of 4 lo or
+        more (above any small slice's norm, see _floor_bound). Reductions, not segment
+        ops: a scatter over a sharded unit's sums fails under explicit sharding."""
+        if bucketed[u]:
+            return low(s)
+        dims = tuple(range(1 if batch > 1 else 0, s.ndim))
+        return low(jnp.min(s, dims)) & ~(jnp.max(s, dims) >= big[s.dtype])
 
     def rare_pass(ops: tuple[tuple[Array, ...], Array]) -> list[Norm]:
         """The rare pass for every use, told apart by operands (so it is traced once): a
@@ -1424,7 +1422,7 @@ def _unit_norms_body(
             kept = _every(ok | (low(s) & fines[dtypes.index(s.dtype)]))
             if report != "largest":
                 return kept
-            small = jnp.any(small_leaves(jnp.ravel(s), unit_ids(u)))
+            small = jnp.any(small_leaves(u, s))
             return jnp.where(whole, ~jnp.any(~(s < jnp.inf)) & ~small, kept)
 
         return scaled(skip)
@@ -1443,9 +1441,10 @@ def _unit_norms_body(
         return split(floored), split(lax.cond(all_ok | (need & ~left), keep, rare_pass, exact))
 
     def some_small() -> Array:
-        return _any([jnp.any(small_leaves(v, ids)) for v, ids in zip(flat, leaf_of)])
+        return _any([jnp.any(small_leaves(u, s)) for u, s in enumerate(sums)])
 
-    some = lax.cond(all_ok, lambda: no, some_small)
+    # False varying as all_ok does (inside shard_map both branches must).
+    some = lax.cond(all_ok, lambda: all_ok & False, some_small)
     return split(floored), split(lax.cond(some, rare_pass, keep, (fine, yes)))
 
 
@@ -1481,23 +1480,6 @@ def _any(flags: Sequence[Array]) -> Array:
 
 def _every(ok: Array) -> Array:
     return ok.reshape(()) if ok.size == 1 else jnp.all(ok)
-
-
-def _leaf_ids(
-    shapes: Sequence[Shape], members: Sequence[int], bucketed: Sequence[bool]
-) -> np.ndarray:
-    """Per slice of a group's stacked vector, the leaf it belongs to: a bucket's rows are
-    leaves of their own, a whole unit's slices one leaf."""
-    ids, leaf = [], 0
-    for i in members:
-        n = math.prod(shapes[i])
-        if bucketed[i]:
-            ids.append(np.arange(leaf, leaf + n))
-            leaf += n
-        else:
-            ids.append(np.full(n, leaf))
-            leaf += 1
-    return np.concatenate(ids).astype(np.int32)
 
 
 Groups = list[list[int]]

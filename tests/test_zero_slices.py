@@ -212,3 +212,38 @@ def test_unused_norms_drop_their_pass():
     both = _jitted(2.0, False).lower(x, c).compile().as_text()
     clipped = _jitted(2.0, True).lower(x, c).compile().as_text()
     assert clipped.count("conditional(") < both.count("conditional(")
+
+
+def test_transform_state_under_vmap_is_each_examples_largest_norm():
+    """The vmap rule's batch axis is one more kept axis: each example is a leaf of its own
+    there (one example's large row does not make another's tiny rows 0)."""
+    g = np.zeros((2, 4, 8), np.float32)
+    g[0, 0] = 1.0
+    g[1] = 1e-20
+    for axes, x in ((1, g), (None, np.concatenate([g] * 1024, axis=2))):  # unbucketed
+        tx = jaxclip.clip_by_norm(1.0, axes=axes)
+        got = jax.jit(jax.vmap(lambda v, tx=tx: tx.update(v, tx.init(v))[1].norms))(x)
+        want = [np.max(ref.norm([v], 2.0, (1,) if axes else None)) for v in x]
+        np.testing.assert_allclose(ref.f64(got), want, rtol=4 * 2.0**-23)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_transform_on_sharded_leaves_explicit_axes_and_shard_map():
+    x = np.full((64, 128), 1e-20, np.float32)
+    x[0] = 1.0
+    tx = jaxclip.clip_by_norm(1.0, axes=1)
+    for kind in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
+        mesh = jax.make_mesh((8,), ("d",), axis_types=(kind,))
+        xs = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+        state = jax.jit(lambda g: tx.update(g, tx.init(g))[1])(xs)
+        np.testing.assert_allclose(float(state.norms), np.sqrt(128.0), rtol=4e-7)
+    # Inside shard_map, rows split (each device's rows whole): per-device largest norms.
+    local = jaxclip.clip_by_norm(1.0, axes=1, axis_name=())
+    f = jax.shard_map(
+        lambda g: local.update(g, local.init(g))[1].norms[None],
+        mesh=jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,)),
+        in_specs=P("d", None),
+        out_specs=P("d"),
+    )
+    want = [np.max(ref.norm([b], 2.0, (1,))) for b in np.split(x, 8)]
+    np.testing.assert_allclose(ref.f64(jax.jit(f)(x)), want, rtol=4e-7)
