@@ -311,8 +311,12 @@ def _exact_range(s: Array, acc: np.dtype) -> Array:
     stands (no overflow, no lost underflow): elements whose power underflowed lose at most
     ``n * tiny`` in all, far below an ulp of any sum above ``tiny * 2**64`` for a
     realistic ``n``."""
-    lo = float(np.finfo(acc).tiny) * 2.0**64
-    return (s >= lo) & (s < jnp.inf)
+    return (s >= _exact_lo(acc)) & (s < jnp.inf)
+
+
+def _exact_lo(acc: Any) -> float:
+    """The smallest power sum in :func:`_exact_range`: ``tiny * 2**64``."""
+    return float(np.finfo(acc).tiny) * 2.0**64
 
 
 # ----------------------------------------------------------------------------------------
@@ -1264,9 +1268,7 @@ def _floor_bound(acc: np.dtype, p: float) -> float:
     """The largest norm of a slice whose power sum is below :func:`_exact_range`: the sum
     is below ``lo = tiny * 2**64``, and underflow lost less than ``n * tiny < lo`` of it,
     so the norm is below ``(2 lo)**(1/p)``; twice that, and at least ``tiny``."""
-    info = np.finfo(acc)
-    lo = float(info.tiny) * 2.0**64
-    return max((4 * lo) ** (1 / p), float(info.tiny))
+    return max((4 * _exact_lo(acc)) ** (1 / p), float(np.finfo(acc).tiny))
 
 
 def _unit_norms_body(
@@ -1309,7 +1311,7 @@ def _unit_norms_body(
     all_ok = _all([jnp.all(_exact_range(v, v.dtype)) for v in flat])
 
     def low(s: Array) -> Array:
-        return s < float(np.finfo(s.dtype).tiny) * 2.0**64
+        return s < _exact_lo(s.dtype)
 
     def flags() -> tuple[list[Array], list[Array]]:
         """Per slice whether its sum is in range, and per unit whether all are."""
@@ -1399,7 +1401,6 @@ def _unit_norms_body(
     over = _any([jnp.any(~(v < jnp.inf)) for v in flat])  # overflowed, or NaN
     need = _any([over] + [lo & ~fine[dtypes.index(v.dtype)] for lo, v in zip(any_low, flat)])
     left = _any([lo & fine[dtypes.index(v.dtype)] for lo, v in zip(any_low, flat)])
-    big = {d: 4 * float(np.finfo(d).tiny) * 2.0**64 for d in dtypes}
 
     def small_leaves(u: int, s: Array) -> Array:
         """Per leaf of unit ``u`` (a bucket's rows, else the unit, one per example under
@@ -1409,7 +1410,7 @@ def _unit_norms_body(
         if bucketed[u]:
             return low(s)
         dims = tuple(range(1 if batch > 1 else 0, s.ndim))
-        return low(jnp.min(s, dims)) & ~(jnp.max(s, dims) >= big[s.dtype])
+        return low(jnp.min(s, dims)) & ~(jnp.max(s, dims) >= 4 * _exact_lo(s.dtype))
 
     def rare_pass(ops: tuple[tuple[Array, ...], Array]) -> list[Norm]:
         """The rare pass for every use, told apart by operands (so it is traced once): a
