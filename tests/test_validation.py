@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxclip
+from jaxclip._registry import MODES
 
 INF, NAN = math.inf, math.nan
 
@@ -436,25 +437,24 @@ def test_auto_clip_inf_on_first_step_scales_by_zero():
 
 
 # ----------------------------------------------------------------------------------------
-# Item 9: every mode's state is donatable (init's and update's, steps 1 and 2).
+# Every mode's state is donatable (init's and update's, steps 1 and 2).
 
 PARAMS = {"enc": {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}, "dec": jnp.ones(4)}
 GRADS = jax.tree.map(lambda p: 0.5 * p, PARAMS)
 _first = lambda path, leaf: path.split("/")[0]  # noqa: E731
 
-TRANSFORMS = [
-    ("clip_by_value", lambda: jaxclip.clip_by_value(1.0)),
+# Every registered mode (per-example clipping takes batched gradients: its state is
+# checked in test_per_example), and configurations whose states differ.
+TRANSFORMS = [(m.name, m.build) for m in MODES if m.name != "clip_per_example"] + [
     (
-        "clip_by_norm",
+        "clip_by_norm-axes",
         lambda: jaxclip.clip_by_norm(
             1.0, axes=0, need_clip={"enc": {"w": True, "b": False}, "dec": True}
         ),
     ),
     ("clip_by_global_norm-group", lambda: jaxclip.clip_by_global_norm(1.0, group=_first)),
-    ("adaptive_clip", lambda: jaxclip.adaptive_clip(0.1)),
-    ("auto_clip", lambda: jaxclip.auto_clip(10.0, window=4)),
-    ("zclip", lambda: jaxclip.zclip(warmup_steps=1, max_norm=1.0)),
-    ("skip_large_updates", lambda: jaxclip.skip_large_updates(optax.adamw(1e-3), 10.0)),
+    ("zclip-max_norm", lambda: jaxclip.zclip(warmup_steps=1, max_norm=1.0)),
+    ("skip_large_updates-adamw", lambda: jaxclip.skip_large_updates(optax.adamw(1e-3), 10.0)),
     (
         "chain-clip_by_global_norm-adamw",
         lambda: optax.chain(jaxclip.clip_by_global_norm(1.0), optax.adamw(1e-3)),
