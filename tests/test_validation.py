@@ -25,7 +25,7 @@ def _ids(cases):
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: the type of a threshold (a str, None, a bool, a complex number).
+# The type of a threshold (a str, None, a bool, a complex number).
 
 BAD_TYPES = [
     ("str", "1.0", r"clip_norm='1.0' is a str, not a number"),
@@ -112,7 +112,7 @@ def test_traced_threshold_of_wrong_dtype_is_caught_and_real_one_is_not():
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: each parameter's own reason in its error.
+# Each parameter's own reason in its error.
 
 OWN_REASONS = [
     (
@@ -177,7 +177,7 @@ def test_zclip_eps_zero_is_allowed():
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: axes.
+# Axes.
 
 BAD_AXES = [
     ("float", 1.0),
@@ -207,7 +207,7 @@ def test_integer_array_axes_are_accepted():
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: need_clip as an Equinox bool mask, and a bool at an empty subtree.
+# need_clip as an Equinox bool mask, and a bool at an empty subtree.
 
 
 # need_clip is resolved by one selection helper for every mode; value clipping shows the
@@ -252,7 +252,7 @@ def test_bool_at_an_empty_subtree_is_accepted(grads_empty, mask_entry):
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: adaptive_clip with a param of another shape than its gradient.
+# adaptive_clip with a param of another shape than its gradient.
 
 
 @pytest.mark.parametrize(
@@ -272,7 +272,7 @@ def test_adaptive_clip_param_shape_mismatch_names_the_path(pshape, gshape):
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: a callable need_clip sees params in init and gradients in update.
+# A callable need_clip sees params in init and gradients in update.
 
 BY_DTYPE = lambda path, leaf: leaf.dtype == jnp.float32  # noqa: E731
 
@@ -311,7 +311,7 @@ def test_need_clip_selecting_by_path_keeps_states_equal():
 
 
 # ----------------------------------------------------------------------------------------
-# Item 7: array-valued bounds in clip_by_value / clip_tree_by_value.
+# Array-valued bounds in clip_by_value / clip_tree_by_value.
 
 G = {"w": jnp.array([[-3.0, 0.5, 2.0], [1.5, -0.2, -4.0]]), "b": jnp.array([-2.0, 2.0, 0.1])}
 ARRAY_BOUNDS = [
@@ -401,7 +401,7 @@ def test_bounds_that_do_not_fit_a_leaf_name_it(hi, path, shape):
 
 
 # ----------------------------------------------------------------------------------------
-# Item 8: non-finite edge cases.
+# Non-finite edge cases.
 
 
 @pytest.mark.parametrize("threshold", [INF, 1e3], ids=["threshold-inf", "threshold-finite"])
