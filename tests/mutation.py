@@ -14,9 +14,10 @@ Run from the repository root (not part of the default suite; it takes a while)::
     python tests/mutation.py --list            # the mutation sites, numbered
     python tests/mutation.py --only 17 203     # given mutants, e.g. to re-check survivors
 
-``--tests`` chooses the test files (a subset of the default suite: a mutant it kills is
-killed by the default suite too). Each run writes its results to
-``--out`` (JSON), with every survivor's file, line and change.
+``--tests`` chooses the test files run on every mutant (by default ``tests/test_core.py``,
+written to fail fast), ``--then`` those run on its survivors; both are parts of the
+default suite, so a mutant they kill is killed by the default suite too. Each run writes
+its results to ``--out`` (JSON), with every survivor's file, line and change.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import time
 import tokenize
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import NamedTuple
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -60,7 +61,7 @@ SWAP = {
 
 
 class Mutant(NamedTuple):
-    index: int
+    number: int
     path: str  # relative to the repository root
     line: int
     col: int
@@ -86,8 +87,8 @@ def _excluded_spans(tree: ast.AST) -> list[tuple[tuple[int, int], tuple[int, int
                 if all(n[0].isupper() for t in node.targets for n in [t.id]):  # type: ignore[attr-defined]
                     notes.append(node.value)
         for n in notes:
-            if n is not None:
-                spans.append(((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)))
+            if isinstance(n, ast.expr) and n.end_lineno is not None:
+                spans.append(((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset or 0)))
     return spans
 
 
@@ -136,23 +137,24 @@ def apply(m: Mutant, root: pathlib.Path) -> None:
     path.write_text("".join(lines))
 
 
-def _copy(dest: pathlib.Path) -> None:
-    shutil.copytree(ROOT / "jaxclip", dest / "jaxclip")
-    shutil.copytree(ROOT / "tests", dest / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+def _copy(dest: pathlib.Path, source: pathlib.Path = ROOT) -> None:
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(source / "jaxclip", dest / "jaxclip", ignore=ignore)
+    shutil.copytree(source / "tests", dest / "tests", ignore=ignore)
     for name in ("pyproject.toml", "conftest.py"):
-        shutil.copy(ROOT / name, dest / name)
+        shutil.copy(source / name, dest / name)
 
 
-def run(m: Mutant, tests: list[str], timeout: float, cache: str) -> dict:
+def run(m: Mutant, base: pathlib.Path, tests: list[str], then: list[str], timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="jaxclip-mutant-") as tmp:
         root = pathlib.Path(tmp)
-        _copy(root)
+        _copy(root, base)
         original = (root / m.path).read_text()
         apply(m, root)
         env = {
             **os.environ,
             "PYTHONPATH": str(root),
-            "JAX_COMPILATION_CACHE_DIR": cache,
+            "JAX_COMPILATION_CACHE_DIR": str(base / "cache"),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         }
         try:
@@ -165,14 +167,19 @@ def run(m: Mutant, tests: list[str], timeout: float, cache: str) -> dict:
             return {**m._asdict(), "status": "invalid", "seconds": 0.0}
         start = time.perf_counter()
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider"]
-        try:
-            r = subprocess.run(
-                [*cmd, *tests], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
-            )
-            status = "survived" if r.returncode == 0 else "killed"
-            failed = next((ln for ln in r.stdout.splitlines() if ln.startswith("FAILED")), "")
-        except subprocess.TimeoutExpired:  # not counted: slow is not wrong
-            status, failed = "timeout", ""
+        status, failed = "survived", ""
+        for selection in (tests, then):  # the second selection only for survivors
+            if status != "survived" or not selection:
+                continue
+            try:
+                r = subprocess.run(
+                    [*cmd, *selection], cwd=root, env=env, capture_output=True, text=True,
+                    timeout=timeout,
+                )  # fmt: skip
+                status = "survived" if r.returncode == 0 else "killed"
+                failed = next((ln for ln in r.stdout.splitlines() if ln.startswith("FAILED")), "")
+            except subprocess.TimeoutExpired:  # not counted: slow is not wrong
+                status, failed = "timeout", ""
         assert original  # the copy is discarded with the directory
         return {
             **m._asdict(),
@@ -183,12 +190,13 @@ def run(m: Mutant, tests: list[str], timeout: float, cache: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--sample", type=int, default=0, help="mutants drawn at random (0: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", type=int, nargs="*", help="these mutant indices")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--tests", nargs="*", default=list(TESTS))
+    ap.add_argument("--tests", nargs="*", default=list(TESTS[:1]), help="run on every mutant")
+    ap.add_argument("--then", nargs="*", default=list(TESTS[1:]), help="run on their survivors")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--out", default="mutation_results.json")
@@ -196,7 +204,7 @@ def main() -> None:
     all_sites = sites()
     if args.list:
         for m in all_sites:
-            print(f"{m.index:5d} {m.path}:{m.line}:{m.col} {m.old!r} -> {m.new!r}")
+            print(f"{m.number:5d} {m.path}:{m.line}:{m.col} {m.old!r} -> {m.new!r}")
         return
     chosen = all_sites
     if args.only:
@@ -204,13 +212,17 @@ def main() -> None:
     elif args.sample:
         chosen = sorted(random.Random(args.seed).sample(all_sites, args.sample))
     tests = [t for t in args.tests if (ROOT / t).exists()]
-    cache = tempfile.mkdtemp(prefix="jaxclip-mutation-cache-")
-    print(f"{len(all_sites)} sites; running {len(chosen)} mutants on {len(tests)} test files")
+    then = [t for t in args.then if (ROOT / t).exists()]
+    base = pathlib.Path(tempfile.mkdtemp(prefix="jaxclip-mutation-"))  # the checkout as it is now
+    _copy(base)
+    print(f"{len(all_sites)} sites; {len(chosen)} mutants; {tests}, then for survivors {then}")
     results = []
     with ThreadPoolExecutor(args.workers) as pool:
-        for r in pool.map(lambda m: run(m, tests, args.timeout, cache), chosen):
+        futures = [pool.submit(run, m, base, tests, then, args.timeout) for m in chosen]
+        for future in as_completed(futures):
+            r = future.result()
             results.append(r)
-            print(f"{r['index']:5d} {r['status']:8s} {r['seconds']:6.1f}s {r['path']}:{r['line']} "
+            print(f"{r['number']:5d} {r['status']:8s} {r['seconds']:6.1f}s {r['path']}:{r['line']} "
                   f"{r['old']!r}->{r['new']!r} {r.get('by', '')[:90]}", flush=True)  # fmt: skip
     killed = sum(r["status"] == "killed" for r in results)
     survived = [r for r in results if r["status"] == "survived"]
@@ -221,9 +233,10 @@ def main() -> None:
         f"({len(results) - valid} invalid or timed out)"
     )
     for r in survived:
-        print(f"survivor {r['index']}: {r['path']}:{r['line']} {r['old']!r} -> {r['new']!r}")
+        print(f"survivor {r['number']}: {r['path']}:{r['line']} {r['old']!r} -> {r['new']!r}")
     summary = {"sites": len(all_sites), "score": score, "killed": killed, "results": results}
     pathlib.Path(args.out).write_text(json.dumps(summary, indent=1))
+    shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

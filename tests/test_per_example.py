@@ -442,7 +442,9 @@ _FLAGGED = {
 
 
 @pytest.mark.parametrize("case", list(_FLAGGED))
-@pytest.mark.parametrize("p", [2.0, 3.0, 0.5])
+@pytest.mark.parametrize(
+    "p", [2.0, 3.0, pytest.param(0.5, marks=pytest.mark.slow)]
+)  # p=0.5: the slow step
 def test_examples_out_of_range_match_float64(case, p):
     """Padding (all-zero) examples and examples whose powers underflow or overflow take
     the rare path, alone or with the whole batch: each example's norm and the sum match

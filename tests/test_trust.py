@@ -207,7 +207,14 @@ def test_typed_prng_key_leaves_pass_through():
         jaxclip.global_norm(tree, need_clip={"w": True, "k": True})
 
 
-@pytest.mark.parametrize("p", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize(
+    "p",
+    [
+        2.0,
+        pytest.param(1.0, marks=pytest.mark.slow),
+        pytest.param(math.inf, marks=pytest.mark.slow),
+    ],
+)
 def test_size_zero_leaves_with_axes(p):
     """A size-0 leaf whose kept dimensions hold the 0 crashed per-slice p != inf norms
     (``cannot reshape array of shape (1, 0) into shape ()``)."""
@@ -233,7 +240,16 @@ def test_traced_value_bounds_that_cross_give_max():
     np.testing.assert_array_equal(f(x, -1.0), -1.0)
 
 
-@pytest.mark.parametrize("p", [0.5, 1.0, 3.0, 100.0, math.inf])
+@pytest.mark.parametrize(
+    "p",
+    [
+        pytest.param(0.5, marks=pytest.mark.slow),
+        pytest.param(1.0, marks=pytest.mark.slow),
+        3.0,
+        100.0,
+        pytest.param(math.inf, marks=pytest.mark.slow),
+    ],
+)
 def test_complex_modulus_beyond_float32_for_every_norm_type(p):
     """Finite parts, ``|z|`` above float32's largest value: every p but 2 scaled by 0
     (``|z|`` overflowed in the maxima)."""
@@ -276,7 +292,16 @@ def test_per_example_lift_leaves_room_for_large_clip_norms():
     np.testing.assert_allclose(np.asarray(out)[:2], [2.0**39 + 1.0, 1.0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("p", [0.5, 1.0, 2.0, 3.0, math.inf])
+@pytest.mark.parametrize(
+    "p",
+    [
+        pytest.param(0.5, marks=pytest.mark.slow),
+        pytest.param(1.0, marks=pytest.mark.slow),
+        2.0,
+        pytest.param(3.0, marks=pytest.mark.slow),
+        math.inf,
+    ],
+)
 def test_derivative_through_a_complex_modulus_beyond_float32_is_finite(p):
     """|z| overflowed in the derivative rule: NaN gradients for p > 1 (p=2 included)."""
     z = jnp.asarray([3e38 + 3e38j], jnp.complex64)
@@ -293,7 +318,7 @@ def test_derivative_through_a_complex_modulus_beyond_float32_is_finite(p):
     [
         (4, 3e38, 1.5e-38, 2.0),  # the norm beyond float32, c near its smallest normal
         (10_000, 3e38, 2e-38, 2.0),
-        (100_000, 1e38, 1.0, 0.1),  # a p=0.1 norm of 1e88
+        pytest.param(100_000, 1e38, 1.0, 0.1, marks=pytest.mark.slow),  # p=0.1: a norm of 1e88
         (4, 3e38, 1e-30, 2.0),  # c / n ~ 2**-228: two normal factors still reach it
     ],
 )
@@ -315,6 +340,7 @@ def test_factors_beyond_two_normal_factors_never_leave_outputs_above_c(n, x, c, 
         assert out_norm <= c * (1 + 1e-5)
 
 
+@pytest.mark.slow  # 100 000 elements at three norm types: the slow step
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU flushes subnormals")
 def test_flushed_subnormals_count_as_zero_in_fractional_norms():
     """frexp's normalising product flushed subnormals, whose bits then read as
