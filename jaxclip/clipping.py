@@ -44,6 +44,16 @@ class ClipByNormState(NamedTuple):
         Exact at any magnitude: a leaf whose every slice is all zeros or tiny (a frozen
         leaf) is read once more to tell 0 from underflow; zero slices beside a larger
         one (unused embedding rows) are not.
+
+    Each slice's own norm (with ``axes=``) is not kept here: it would make the state as
+    large as the slices. :func:`clip_tree_by_norm` returns it as its second output, an
+    array of the slices' shape per leaf (``tf.clip_by_norm``'s kept dimensions):
+
+    >>> import jax.numpy as jnp, jaxclip
+    >>> g = {"emb": jnp.array([[3.0, 4.0], [0.3, 0.4]])}
+    >>> clipped, norms = jaxclip.clip_tree_by_norm(g, 1.0, axes=1)
+    >>> norms["emb"]  # one norm per row
+    Array([5. , 0.5], dtype=float32)
     """
 
     norms: PyTree
