@@ -55,3 +55,9 @@ def _copy_notebooks() -> None:
 
 
 _copy_notebooks()
+
+# The performance guide's tables, from the benchmarks' JSON (docs/_generated/, ignored by git).
+sys.path.insert(0, str(HERE))
+import perf_tables  # noqa: E402
+
+perf_tables.write()
