@@ -38,7 +38,7 @@ autodoc_default_options = {"show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
-exclude_patterns = ["_build", "build.sh", "README.md"]
+exclude_patterns = ["_build", "_generated", "build.sh", "README.md"]
 html_theme = "sphinx_book_theme"
 html_title = f"jaxclip {release}"
 html_theme_options = {"show_toc_level": 2}
