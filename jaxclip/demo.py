@@ -222,7 +222,8 @@ class _Bar:
 
 
 def summary(results: Sequence[Result]) -> dict[str, Any]:
-    """The numbers the README's claims rest on (checked by ``tests/test_demo.py``)."""
+    """The numbers the claims of the README and the docs' demo page rest on (checked by
+    ``tests/test_demo.py``)."""
     unclipped = [r for r in results if r.config.make is optax.identity]
     finals = {r.config.name: r.final() for r in results}
     best = min(unclipped, key=lambda r: float(np.mean(r.final())))
