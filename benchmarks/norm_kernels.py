@@ -31,19 +31,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxclip
-from jaxclip import _norms
+from jaxclip._norms import backend
 
 
 def _jit(fn: Callable, x: jax.Array, one_pass: bool | None = None) -> tuple[Callable, float]:
     """``fn`` compiled for ``x``, tracing jaxclip with the given strategy."""
-    _norms.ONE_PASS = one_pass
+    backend.ONE_PASS = one_pass
     jax.clear_caches()  # jaxclip's inner jits would reuse the other strategy's trace
     try:
         t0 = time.perf_counter()
         compiled = jax.jit(fn).lower(x).compile()
         return compiled, time.perf_counter() - t0
     finally:
-        _norms.ONE_PASS = None
+        backend.ONE_PASS = None
 
 
 def _naive(x: jax.Array) -> jax.Array:

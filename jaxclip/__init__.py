@@ -3,7 +3,7 @@
 The public names, each declared here once (``name as name`` re-exports them).
 """
 
-from jaxclip._checks import NonFiniteNormError as NonFiniteNormError
+from jaxclip._errors import NonFiniteNormError as NonFiniteNormError
 from jaxclip._selectors import Selector as Selector
 from jaxclip._selectors import by_name as by_name
 from jaxclip._selectors import by_path as by_path

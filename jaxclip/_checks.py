@@ -25,42 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxclip import _tree
+from jaxclip._errors import HyperparameterTypeError
 
 Array = jax.Array
 Axes = None | int | Sequence[int]
-
-
-class HyperparameterTypeError(TypeError, ValueError):
-    """A hyperparameter of the wrong type (a string, None, a bool, a complex number...).
-
-    Both a ``TypeError`` and a ``ValueError``, so that code catching either for bad
-    hyperparameters catches it.
-    """
-
-
-class NonFiniteNormError(FloatingPointError, jax.errors.JaxRuntimeError):
-    """A norm was inf or NaN and the mode was built with ``error_if_nonfinite=True``.
-
-    Catch ``jax.errors.JaxRuntimeError`` to catch it in every execution mode, with the
-    same message text:
-
-    - eagerly (the norm is concrete), this exception is raised as is: it is also a
-      ``FloatingPointError`` (what PyTorch's ``clip_grad_norm_`` raises) and a
-      ``jax.errors.JaxRuntimeError``;
-    - under ``jit`` (also inside ``optax.chain``, ``scan``, ``nnx.jit``, ``eqx.filter_jit``),
-      the check runs in a host callback and JAX reports any exception raised there as a
-      plain ``jax.errors.JaxRuntimeError`` whose message contains
-      ``NonFiniteNormError: <this message>``. JAX offers no way to raise another type out
-      of a compiled computation (``checkify`` needs the caller to wrap the function in
-      ``checkify.checkify`` and call ``err.throw()``), so ``except NonFiniteNormError``
-      alone catches the eager case only.
-    """
-
-    __module__ = "jaxclip"  # shown as jaxclip.NonFiniteNormError in tracebacks
-
-    def __init__(self, message: str) -> None:
-        # JaxRuntimeError's (nanobind) __init__ keeps the message its __str__ shows.
-        jax.errors.JaxRuntimeError.__init__(self, message)
 
 
 _TRACED = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
@@ -158,7 +126,7 @@ def _show(value: Any) -> str:
     return f"<an array of shape {np.shape(value)}>"
 
 
-def _real(value: Any, name: str, fn: str, what: str, *, scalar: bool = True) -> np.ndarray | None:
+def real(value: Any, name: str, fn: str, what: str, *, scalar: bool = True) -> np.ndarray | None:
     """Checks that ``value`` is a real number (or, with ``scalar=False``, a real array);
     returns its concrete value, or None when traced. ``what`` says what to pass."""
     hint = f"pass {what}"
@@ -206,7 +174,7 @@ def _real(value: Any, name: str, fn: str, what: str, *, scalar: bool = True) -> 
 def check_clip_norm(clip_norm: Any, fn: str, name: str = "clip_norm") -> None:
     """A norm threshold: a real scalar > 0 (inf turns clipping off)."""
     what = "a real number > 0, e.g. 1.0 (a Python number or a JAX scalar array)"
-    v = _real(clip_norm, name, fn, what)
+    v = real(clip_norm, name, fn, what)
     if v is not None and not v > 0:  # also catches NaN
         raise ValueError(
             f"jaxclip.{fn}: {name}={clip_norm!r} must be > 0 (the largest norm the updates may "
@@ -217,7 +185,7 @@ def check_clip_norm(clip_norm: Any, fn: str, name: str = "clip_norm") -> None:
 def check_use_norm(use_norm: Any, fn: str) -> None:
     """A global norm computed already: a real scalar >= 0 (NaN passes: it propagates as a
     NaN norm)."""
-    v = _real(use_norm, "use_norm", fn, "a norm >= 0")
+    v = real(use_norm, "use_norm", fn, "a norm >= 0")
     if v is not None and np.any(v < 0):
         raise ValueError(
             f"jaxclip.{fn}: use_norm={use_norm!r} is negative; pass the global norm of the "
@@ -225,19 +193,9 @@ def check_use_norm(use_norm: Any, fn: str) -> None:
         )
 
 
-def check_max_norm(max_norm: Any, fn: str) -> None:
-    """An optional fixed cap on the global norm (ZClip's ``max_norm``)."""
-    v = _real(max_norm, "max_norm", fn, "a real number > 0, or None for no cap")
-    if v is not None and not v > 0:
-        raise ValueError(
-            f"jaxclip.{fn}: max_norm={max_norm!r} must be > 0 (a fixed cap on the global norm of "
-            "every step); for no cap, pass max_norm=None."
-        )
-
-
 def check_threshold(threshold: Any, fn: str) -> None:
     """The largest global norm of a step that is applied (spike skipping)."""
-    v = _real(threshold, "threshold", fn, "a real number > 0")
+    v = real(threshold, "threshold", fn, "a real number > 0")
     if v is not None and not v > 0:
         raise ValueError(
             f"jaxclip.{fn}: threshold={threshold!r} must be > 0 (the largest global norm of a "
@@ -248,7 +206,7 @@ def check_threshold(threshold: Any, fn: str) -> None:
 
 def check_clipping(clipping: Any, fn: str) -> None:
     """AGC's ``clipping``: the largest ratio of gradient norm to parameter norm."""
-    v = _real(clipping, "clipping", fn, "a real number > 0, e.g. 0.01")
+    v = real(clipping, "clipping", fn, "a real number > 0, e.g. 0.01")
     if v is not None and not v > 0:
         raise ValueError(
             f"jaxclip.{fn}: clipping={clipping!r} must be > 0 (the largest ratio of a unit's "
@@ -259,7 +217,7 @@ def check_clipping(clipping: Any, fn: str) -> None:
 
 def check_eps(eps: Any, fn: str) -> None:
     """AGC's ``eps``: the smallest parameter norm a unit's limit is based on."""
-    v = _real(eps, "eps", fn, "a small real number > 0, e.g. 1e-3")
+    v = real(eps, "eps", fn, "a small real number > 0, e.g. 1e-3")
     if v is not None and not (v > 0 and np.isfinite(v)):
         raise ValueError(
             f"jaxclip.{fn}: eps={eps!r} must be finite and > 0 (the smallest parameter norm a "
@@ -270,7 +228,7 @@ def check_eps(eps: Any, fn: str) -> None:
 
 def check_zclip_eps(eps: Any, fn: str) -> None:
     """ZClip's ``eps``: added to the standard deviation in the z-score."""
-    v = _real(eps, "eps", fn, "a small real number >= 0, e.g. 1e-6")
+    v = real(eps, "eps", fn, "a small real number >= 0, e.g. 1e-6")
     if v is not None and not (v >= 0 and np.isfinite(v)):
         raise ValueError(
             f"jaxclip.{fn}: eps={eps!r} must be finite and >= 0 (it is added to the standard "
@@ -281,7 +239,7 @@ def check_zclip_eps(eps: Any, fn: str) -> None:
 
 def check_z_thresh(z_thresh: Any, fn: str) -> None:
     """ZClip's ``z_thresh``: the z-score above which a norm is a spike."""
-    v = _real(z_thresh, "z_thresh", fn, "a real number > 0, e.g. 2.5")
+    v = real(z_thresh, "z_thresh", fn, "a real number > 0, e.g. 2.5")
     if v is not None and not v > 0:
         raise ValueError(
             f"jaxclip.{fn}: z_thresh={z_thresh!r} must be > 0 (the z-score above which a global "
@@ -292,7 +250,7 @@ def check_z_thresh(z_thresh: Any, fn: str) -> None:
 
 def check_alpha(alpha: Any, fn: str) -> None:
     """ZClip's ``alpha``: the weight of the old statistics in the moving averages."""
-    v = _real(alpha, "alpha", fn, "a real number in [0, 1), e.g. 0.97")
+    v = real(alpha, "alpha", fn, "a real number in [0, 1), e.g. 0.97")
     if v is not None and not 0 <= v < 1:
         raise ValueError(
             f"jaxclip.{fn}: alpha={alpha!r} must be in [0, 1) (the weight of the old statistics "
@@ -302,7 +260,7 @@ def check_alpha(alpha: Any, fn: str) -> None:
 
 def check_percentile(percentile: Any, fn: str, name: str = "percentile") -> None:
     """AutoClip's ``percentile`` of the past norms."""
-    v = _real(percentile, name, fn, "a real number in (0, 100], e.g. 10.0")
+    v = real(percentile, name, fn, "a real number in (0, 100], e.g. 10.0")
     if v is not None and not 0 < v <= 100:
         raise ValueError(
             f"jaxclip.{fn}: {name}={percentile!r} must be in (0, 100] (the percentile of the "
@@ -350,7 +308,7 @@ def static_int(value: Any, name: str, fn: str) -> int:
 def _as_bound(value: Any, name: str, fn: str) -> tuple[Any, np.ndarray | None]:
     """A bound as passed (Python sequences and unsigned integers, whose negation would wrap
     around, turned into NumPy arrays) and its concrete value."""
-    v = _real(value, name, fn, "a real number or an array of real numbers", scalar=False)
+    v = real(value, name, fn, "a real number or an array of real numbers", scalar=False)
     if v is not None and jnp.issubdtype(v.dtype, jnp.unsignedinteger):
         v = v.astype(np.float64)
         value = v
@@ -497,7 +455,7 @@ def check_count(value: Any, name: str, fn: str) -> None:
 
 def check_quantile(quantile: Any, fn: str) -> None:
     """The autoclip package's ``quantile`` of the past norms, in [0, 1]."""
-    v = _real(quantile, "quantile", fn, "a real number in [0, 1], e.g. 0.9")
+    v = real(quantile, "quantile", fn, "a real number in [0, 1], e.g. 0.9")
     if v is not None and not 0 <= v <= 1:
         raise ValueError(
             f"jaxclip.{fn}: quantile={quantile!r} must be in [0, 1] (the quantile of the past "
@@ -508,7 +466,7 @@ def check_quantile(quantile: Any, fn: str) -> None:
 
 def check_deviations(deviations: Any, fn: str) -> None:
     """The autoclip package's ``deviations``: the threshold in standard deviations."""
-    v = _real(deviations, "deviations", fn, "a real number >= 0, e.g. 2.0")
+    v = real(deviations, "deviations", fn, "a real number >= 0, e.g. 2.0")
     if v is not None and not (v >= 0 and np.isfinite(v)):
         raise ValueError(
             f"jaxclip.{fn}: deviations={deviations!r} must be finite and >= 0 (the threshold is "
@@ -529,14 +487,14 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...], fn: str) -> st
 
 def check_positive(value: Any, name: str, fn: str, meaning: str) -> None:
     """A real scalar > 0 (``meaning`` says what it does, for the message)."""
-    v = _real(value, name, fn, "a real number > 0")
+    v = real(value, name, fn, "a real number > 0")
     if v is not None and not v > 0:  # also catches NaN
         raise ValueError(f"jaxclip.{fn}: {name}={value!r} must be > 0 ({meaning}).")
 
 
 def check_cap(value: Any, name: str, fn: str) -> None:
     """An optional fixed cap on the global norm (ZClip's ``max_grad_norm``)."""
-    v = _real(value, name, fn, "a real number > 0, or None for no cap")
+    v = real(value, name, fn, "a real number > 0, or None for no cap")
     if v is not None and not v > 0:
         raise ValueError(
             f"jaxclip.{fn}: {name}={value!r} must be > 0 (a fixed cap on the global norm of "
@@ -632,7 +590,7 @@ def static_size(value: Any, name: str, fn: str) -> int:
 
 def check_finite_nonneg(value: Any, name: str, fn: str, meaning: str) -> None:
     """A real scalar, finite and >= 0 (``meaning`` says what it does, for the message)."""
-    v = _real(value, name, fn, "a finite real number >= 0")
+    v = real(value, name, fn, "a finite real number >= 0")
     if v is not None and not (v >= 0 and np.isfinite(v)):  # also catches NaN
         raise ValueError(f"jaxclip.{fn}: {name}={value!r} must be >= 0 and finite ({meaning}).")
 

@@ -7,10 +7,8 @@ from typing import Any
 import jax
 from jax import tree_util as jtu
 
-from jaxclip import _tree
+from jaxclip import _registry, _tree
 
-#: The state fields that ``clip_stats`` reports, where a jaxclip state has them.
-LOGGED_FIELDS = ("global_norm", "norms", "norm", "threshold", "skipped", "clipped_fraction")
 #: Keys of wrapper states that name no position and are left out of the keys.
 _WRAPPER_KEYS = frozenset({"inner_state", "inner_opt_state"})
 
@@ -59,9 +57,8 @@ def _visit(state: Any, where: str, out: dict[str, jax.Array]) -> None:
                 _leaves(key if key not in inner else _join(where, "hyperparams", name), value, out)
         out.update(inner)
         return
-    for name in LOGGED_FIELDS:
-        if name in state._fields:
-            _leaves(_join(where, name), getattr(state, name), out)
+    for name in _registry.logged_fields(state):
+        _leaves(_join(where, name), getattr(state, name), out)
     if "inner_state" in state._fields:  # skip_large_updates wraps a whole optimizer
         _walk(state.inner_state, where, out)
 

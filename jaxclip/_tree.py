@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeGuard
 
 import jax
@@ -399,3 +399,37 @@ def select(
             )
         selected.append(bool(w))
     return Selection(treedef, leaves, paths, tuple(selected), views)
+
+
+def group_labels(
+    group: Callable[[str, Any], Hashable] | Selector, sel: Selection
+) -> tuple[list[Hashable], list[Hashable]]:
+    """The distinct labels (first-seen order) and the label of each selected leaf."""
+    label_of = as_function(group)
+    per_leaf = [
+        call_rule(label_of, "group", path, x) for path, x in zip(sel.chosen_paths, sel.chosen_views)
+    ]
+    for path, label in zip(sel.chosen_paths, per_leaf):
+        if label is None:
+            raise TypeError(
+                f"jaxclip: group({path!r}, leaf) returned None; return a label such as a str "
+                "(exclude leaves with need_clip instead)."
+            )
+        try:
+            hash(label)
+        except TypeError:
+            raise TypeError(
+                f"jaxclip: group({path!r}, leaf) returned {label!r}, which is not hashable; "
+                "return a str or int label (a tuple for a composite one)."
+            ) from None
+    labels = list(dict.fromkeys(per_leaf))
+    try:  # the state keeps a dict label -> norm, whose keys JAX sorts
+        sorted(labels)
+    except TypeError:
+        first = {type(label): (label, path) for path, label in zip(sel.chosen_paths, per_leaf)}
+        shown = [f"group({path!r}, leaf) returned {label!r}" for label, path in first.values()]
+        raise TypeError(
+            "jaxclip: group labels must be of one kind that sorts (all str, or all int): "
+            f"{' but '.join(shown[:2])}. Return str(label) for every leaf, for example."
+        ) from None
+    return labels, per_leaf

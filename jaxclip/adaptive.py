@@ -16,7 +16,6 @@ import optax
 
 from jaxclip import _checks, _norms, _tree
 from jaxclip._checks import Axes, NormType, StaticInt
-from jaxclip.clipping import _rescaled
 
 Array = jax.Array
 PyTree = Any
@@ -196,7 +195,7 @@ def _agc(
         [n.frac.astype(g.frac.dtype) for n, g in zip(p_norms, g_norms)],
         [n.exp.astype(g.frac.dtype) for n, g in zip(p_norms, g_norms)],
     )
-    return _norms.rescale_each(gs, g_norms, limits)
+    return _norms.clip_each(gs, g_norms, limits)
 
 
 class AutoClipState(NamedTuple):
@@ -307,7 +306,9 @@ def auto_clip(
         # in the paper: inf, the step passes unchanged (it was zeroed).
         first = jnp.where(jnp.isfinite(parts.frac), jnp.inf, 0.0)
         threshold = jnp.where(count > 0, jnp.nanpercentile(history, percentile), first)
-        return _rescaled(sel, xs, parts, threshold), AutoClipState(history, count, threshold, norm)
+        return sel.rebuild(_norms.clip_joint(xs, parts, threshold)), AutoClipState(
+            history, count, threshold, norm
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
@@ -383,12 +384,12 @@ def _history_step(
     if global_threshold:
         parts = _norms.global_norm_parts(xs, 2.0)
         norm = parts.value.astype(jnp.float32)
-        out = _norms.rescale(xs, parts, threshold)
+        out = _norms.clip_joint(xs, parts, threshold)
     else:
         leaf_norms = _norms.slice_norms(xs, 2.0, (None,) * len(xs)) if xs else []
         values = [n.value.reshape(()).astype(jnp.float32) for n in leaf_norms]
         norm = jnp.stack(values) if values else jnp.zeros((0,), jnp.float32)
-        out = _norms.rescale_each(xs, leaf_norms, [threshold[k] for k in range(len(xs))])
+        out = _norms.clip_each(xs, leaf_norms, [threshold[k] for k in range(len(xs))])
     finite = jnp.isfinite(norm)
     slot = jax.nn.one_hot(count % history_length, history_length, dtype=bool)
     history = jnp.where(finite[..., None] & slot, norm[..., None], state.history)
@@ -685,7 +686,7 @@ def zclip(
         spike = ~warming & spike
         adaptive = jnp.where(spike, limit, norm)
         threshold = jnp.minimum(adaptive, cap)
-        clipped = _rescaled(sel, xs, parts, threshold)
+        clipped = sel.rebuild(_norms.clip_joint(xs, parts, threshold))
 
         warmup = jnp.where(
             warming & finite,

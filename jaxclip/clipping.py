@@ -7,7 +7,7 @@ them, and delegates to the ``clip_tree_*`` function, which takes its selection f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxclip import _checks, _norms, _tree
+from jaxclip import _checks, _errors, _norms, _tree
 from jaxclip._checks import Axes, NormType
 
 Array = jax.Array
@@ -256,7 +256,7 @@ def _clip_tree_by_norm(
         report=report,
     )
     if error_if_nonfinite:
-        _norms.raise_if_nonfinite(
+        _errors.raise_if_nonfinite(
             norms, [f"norm of the leaf at {_tree.shown(path)}" for path in sel.chosen_paths]
         )
     return sel.rebuild(clipped), sel.per_leaf(norms)
@@ -318,14 +318,14 @@ def clip_tree_by_global_norm(
             raise ValueError(
                 "jaxclip: use_norm and group cannot be combined: pass one norm per call."
             )
-        labels, per_leaf = _group_labels(group, sel)
+        labels, per_leaf = _tree.group_labels(group, sel)
         norms, clipped = {}, list(xs)
         for label in labels:
             members = [i for i, lab in enumerate(per_leaf) if lab == label]
             n = _norms.global_norm_parts([xs[i] for i in members], p, axis_name=axis_name)
             if error_if_nonfinite:
-                _norms.raise_if_nonfinite([n.value], [f"global norm of group {label!r}"])
-            for i, x in zip(members, _norms.rescale([xs[i] for i in members], n, clip_norm)):
+                _errors.raise_if_nonfinite([n.value], [f"global norm of group {label!r}"])
+            for i, x in zip(members, _norms.clip_joint([xs[i] for i in members], n, clip_norm)):
                 clipped[i] = x
             norms[label] = n.value
         return sel.rebuild(clipped), norms
@@ -335,51 +335,8 @@ def clip_tree_by_global_norm(
         _checks.check_use_norm(use_norm, "clip_tree_by_global_norm")
         parts = _norms.as_norm(jnp.asarray(use_norm, _norms.result_dtype(xs)))
     if error_if_nonfinite:
-        _norms.raise_if_nonfinite([parts.value], ["global norm"])
-    return _rescaled(sel, xs, parts, clip_norm), parts.value
-
-
-def _rescaled(
-    sel: _tree.Selection, xs: Sequence[Array], norm: Array | _norms.Norm, clip_norm: Any
-) -> PyTree:
-    """The tree with the selected leaves ``xs``, of joint norm ``norm``, scaled to at most
-    ``clip_norm`` (unchecked, so adaptive thresholds may be traced, NaN or inf)."""
-    return sel.rebuild(_norms.rescale(xs, norm, clip_norm))
-
-
-def _group_labels(
-    group: Callable[[str, Any], Hashable] | _tree.Selector, sel: _tree.Selection
-) -> tuple[list[Hashable], list[Hashable]]:
-    """The distinct labels (first-seen order) and the label of each selected leaf."""
-    label_of = _tree.as_function(group)
-    per_leaf = [
-        _tree.call_rule(label_of, "group", path, x)
-        for path, x in zip(sel.chosen_paths, sel.chosen_views)
-    ]
-    for path, label in zip(sel.chosen_paths, per_leaf):
-        if label is None:
-            raise TypeError(
-                f"jaxclip: group({path!r}, leaf) returned None; return a label such as a str "
-                "(exclude leaves with need_clip instead)."
-            )
-        try:
-            hash(label)
-        except TypeError:
-            raise TypeError(
-                f"jaxclip: group({path!r}, leaf) returned {label!r}, which is not hashable; "
-                "return a str or int label (a tuple for a composite one)."
-            ) from None
-    labels = list(dict.fromkeys(per_leaf))
-    try:  # the state keeps a dict label -> norm, whose keys JAX sorts
-        sorted(labels)
-    except TypeError:
-        first = {type(label): (label, path) for path, label in zip(sel.chosen_paths, per_leaf)}
-        shown = [f"group({path!r}, leaf) returned {label!r}" for label, path in first.values()]
-        raise TypeError(
-            "jaxclip: group labels must be of one kind that sorts (all str, or all int): "
-            f"{' but '.join(shown[:2])}. Return str(label) for every leaf, for example."
-        ) from None
-    return labels, per_leaf
+        _errors.raise_if_nonfinite([parts.value], ["global norm"])
+    return sel.rebuild(_norms.clip_joint(xs, parts, clip_norm)), parts.value
 
 
 def _check_same_groups(
@@ -474,10 +431,8 @@ def clip_by_value(
 
 
 def _largest(norms: Array) -> Array:
-    """The largest of a leaf's slice norms, NaN if one is (XLA:CPU's max of 4096 or more
-    values can lose a NaN)."""
-    top = jnp.max(norms, initial=0).astype(jnp.float32)
-    return jnp.where(jnp.any(jnp.isnan(norms)), jnp.nan, top)
+    """The largest of a leaf's slice norms (NaN if one is), as the state's float32."""
+    return _norms.max_keeping_nan(norms).astype(jnp.float32)
 
 
 def clip_by_norm(
@@ -627,7 +582,7 @@ def clip_by_global_norm(
     def init_fn(params: PyTree) -> ClipByGlobalNormState:
         if group is None:
             return ClipByGlobalNormState(jnp.zeros((), jnp.float32))
-        labels, _ = _group_labels(
+        labels, _ = _tree.group_labels(
             group, _tree.select(params, need_clip, what="global-norm clipping")
         )
         return ClipByGlobalNormState({label: jnp.zeros((), jnp.float32) for label in labels})

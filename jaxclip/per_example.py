@@ -5,7 +5,7 @@ clipped to ``clip_norm``, then the examples are summed or averaged. The clipped 
 are never materialised when reducing: each leaf is contracted with the vector of
 per-example factors (a matrix-vector product), so the only pass over the gradients
 besides the norm is the product itself. Norms come from ``_norms.per_example_norm_parts``
-and factors from ``_norms.clip_scale``, as for every other mode.
+and factors from ``_norms.clip_factor``, as for every other mode.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from jax import lax
 from jaxclip import _checks, _norms, _tree
 from jaxclip._checks import NormType
 from jaxclip._norms import AxisName
-from jaxclip.clipping import _group_labels
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -95,7 +94,7 @@ def _batch_size(leaves: Sequence[Any], paths: Sequence[str], fn: str) -> int | N
 LIFT = 90
 
 
-def _weights(scale: _norms.Scale, clip_norm: Any, batch: int) -> tuple[Array, Array]:
+def _weights(scale: _norms.Factor, clip_norm: Any, batch: int) -> tuple[Array, Array]:
     """Per example, 1 where it is kept, else its factor ``c / n`` (rounded once), all times
     ``2**k``, and ``2**-k``. ``k`` is 0 unless some factor is below the normal range (a
     norm above ``c * 2**126`` in float32: formed as a number, XLA:CPU would flush it to
@@ -107,7 +106,7 @@ def _weights(scale: _norms.Scale, clip_norm: Any, batch: int) -> tuple[Array, Ar
     c = jnp.maximum(jnp.asarray(clip_norm, w.dtype), np.finfo(w.dtype).tiny)
     room = np.finfo(w.dtype).maxexp - 2 - max(batch, 1).bit_length() - _norms.frexp(c)[1]
     k = jnp.where(jnp.any(low), jnp.clip(room, 0, LIFT), 0)
-    lift = _norms._pow2(k, w.dtype)
+    lift = _norms.pow2(k, w.dtype)
     lifted = jnp.where(low, scale.f0 * (scale.f1 * lift), w * lift)
     return lifted, 1 / lift
 
@@ -118,7 +117,7 @@ def _contract(w: Array, x: Array) -> Array:
     ``HIGHEST`` keeps float32 dots in float32 on GPU/TPU (no TF32/bf16 passes).
     """
     acc = _norms.acc_dtype(x.dtype)
-    if not _norms._one_device(x):
+    if not _norms.one_device(x):
         # A sharded batch axis (Explicit mesh axes): a contraction over it needs an output
         # sharding; a weighted sum over it (fused, no copy) is reduced across devices.
         kept = (x.shape[0],) + (1,) * (x.ndim - 1)
@@ -210,7 +209,7 @@ def _per_example(
     if group is None:
         labels, per_leaf = [None], [None] * len(xs)
     else:
-        labels, per_leaf = _group_labels(group, sel)
+        labels, per_leaf = _tree.group_labels(group, sel)
     members = tuple(tuple(i for i, lab in enumerate(per_leaf) if lab == label) for label in labels)
     rest_xs = [jnp.asarray(sel.leaves[i]) for i in rest]
     outs, rest_outs, norms, fractions = _arrays(
@@ -276,7 +275,7 @@ def _arrays(
             )
         else:  # nothing selected: every example has norm 0
             n = _norms.as_norm(jnp.zeros((batch or 0,), jnp.float32))
-        scale = _norms.clip_scale(n, clip_norm)
+        scale = _norms.clip_factor(n, clip_norm)
         # Everything read from the norm is computed before the contractions, so that only
         # the factors stay live while they run.
         scale, value, fraction, n = lax.optimization_barrier(
@@ -291,7 +290,7 @@ def _arrays(
         for x, s, n in zip(xs, scales, parts):
             kept = (x.shape[0],) + (1,) * (x.ndim - 1)
             shaped.append(tuple(type(v)(*(f.reshape(kept) for f in v)) for v in (s, n)))
-        outs = _norms.clip_all(
+        outs = _norms.apply_factors(
             xs, [s for s, _ in shaped], [n for _, n in shaped], [clip_norm] * len(xs)
         )
         return outs, list(rest), norms, fractions
@@ -334,7 +333,7 @@ def _device_noise(key: Array, x: Array, axis_name: AxisName, path: str) -> tuple
     draws ``1/sqrt(devices)`` of the standard deviation and the total has the full one.
     Outside ``shard_map`` the key is used as it is.
     """
-    if not _norms._vma_tracked():
+    if not _norms.vma_tracked():
         manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
         if manual:
             raise ValueError(
@@ -343,7 +342,7 @@ def _device_noise(key: Array, x: Array, axis_name: AxisName, path: str) -> tuple
                 "cannot draw the noise once. Use shard_map's default check_vma=True."
             )
         return key, 1.0
-    varying = sorted(_norms._varying(x))
+    varying = sorted(_norms.varying(x))
     features = set(_norms.combine_axes(x, axis_name, False, path))
     for axis in varying:
         key = jax.random.fold_in(key, lax.axis_index(axis))
@@ -553,7 +552,9 @@ def clip_per_example(
     def labels_of(params: PyTree) -> list[Hashable]:
         if group is None:
             return [None]
-        return _group_labels(group, _tree.select(params, need_clip, what="per-example clipping"))[0]
+        return _tree.group_labels(
+            group, _tree.select(params, need_clip, what="per-example clipping")
+        )[0]
 
     def pack(values: dict[Hashable, Array]) -> Any:
         return values[None] if group is None else values

@@ -326,7 +326,6 @@ def test_reference_spellings_port_unchanged():
 
 
 # ----------------------------------------------------------------------------------------
-# Found by the sixth session's review.
 
 
 @pytest.mark.parametrize(

@@ -745,11 +745,11 @@ def test_float64_fractional_norms_to_a_few_ulps_at_1e300():
 def test_common_path_fractional_powers_do_not_call_pow():
     """Before a library reduction XLA:CPU's pow is 2x slower than the exponent-split
     power, and less exact (the rare path, on data scaled near 1, keeps pow)."""
-    from jaxclip import _norms
+    from jaxclip._norms import passes
 
     for dtype in (jnp.float32, jnp.float64):
         with _x64(dtype):
-            common = lambda x: _norms._power_sum(x, 1.5, None, native=False)  # noqa: E731
+            common = lambda x: passes.power_sum(x, 1.5, None, fused=False)  # noqa: E731
             text = jax.jit(common).lower(jnp.ones(8, dtype)).as_text()
             assert "stablehlo.power" not in text, text
             assert "stablehlo.exponential" in text  # the split power's exp2

@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-from jaxclip import _norms
+from jaxclip._norms import units
 
 
 def _reduce_count(fn, tree) -> int:
@@ -31,7 +31,7 @@ def _widest_concatenate(compiled) -> int:
 
 
 def _chunks(n: int) -> int:
-    return -(-n // _norms.BUCKET_MAX_LEAVES)
+    return -(-n // units.BUCKET_MAX_LEAVES)
 
 
 @pytest.mark.slow  # 7 s: the default step's budget
@@ -48,7 +48,7 @@ def test_thousand_leaf_global_norm_lowers_to_a_handful_of_reductions():
     # superlinear in a concatenation's operands (a 4000-leaf clip_by_norm compiled in
     # 98 s with one bucket, 56 s with buckets of 256).
     compiled = jax.jit(fn).lower(tree).compile()
-    assert _widest_concatenate(compiled) <= _norms.BUCKET_MAX_LEAVES
+    assert _widest_concatenate(compiled) <= units.BUCKET_MAX_LEAVES
     expected = np.sqrt(sum(10.0 * (i + 1) ** 2 for i in range(1000)))
     np.testing.assert_allclose(float(compiled(tree)[1]), expected, rtol=2e-7)
 
@@ -64,7 +64,7 @@ def test_thousand_leaf_clip_by_norm_buckets_its_reductions():
     # over the units. A thousand leaves, not a thousand reductions.
     assert _reduce_count(fn, tree) <= 8 * _chunks(1000) + 1
     compiled = jax.jit(fn).lower(tree).compile()
-    assert _widest_concatenate(compiled) <= _norms.BUCKET_MAX_LEAVES
+    assert _widest_concatenate(compiled) <= units.BUCKET_MAX_LEAVES
     norms = compiled(tree)[1]
     # Leaf 500 is all zeros: its bucket takes the rare path, the others stay exact.
     expected = {f"p{i:04d}": abs(i - 500.0) * np.sqrt(10 + i % 7) for i in range(1000)}
@@ -189,7 +189,7 @@ def test_rare_paths_materialise_no_broadcast(mode):
 
 @xla_cpu_only
 def test_large_leaves_are_not_bucketed():
-    big = jnp.ones((_norms.BUCKET_MAX_BYTES // 4 + 1,))
+    big = jnp.ones((units.BUCKET_MAX_BYTES // 4 + 1,))
     text = jax.jit(lambda g: jaxclip.global_norm(g)).lower([big, big]).as_text()
     # (The rare path stacks its chunk results: a concatenation, but not of the leaves.)
     concats = [line for line in text.splitlines() if "stablehlo.concatenate" in line]
@@ -226,7 +226,7 @@ def test_sharded_small_leaves_are_not_bucketed():
 def test_temporaries_bounded_with_buckets(mode, dtype, monkeypatch):
     # Several buckets (BUCKET_MAX_LEAVES): with more than one, the rare path's scale
     # factors were once broadcast to a bucket's shape (2 MB for 1000 small leaves).
-    monkeypatch.setattr(_norms, "BUCKET_MAX_LEAVES", 8)
+    monkeypatch.setattr(units, "BUCKET_MAX_LEAVES", 8)
     rng = np.random.default_rng(0)
     small = [jnp.asarray(rng.normal(size=(300 + 3 * i,)), dtype) for i in range(24)]
     large = [jnp.asarray(rng.normal(size=(256, 512)), dtype) for _ in range(2)]

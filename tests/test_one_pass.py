@@ -1,4 +1,4 @@
-"""The single-pass 2-norm (the GPU/TPU strategy, ``_norms.ONE_PASS``) run here on CPU.
+"""The single-pass 2-norm (the GPU/TPU strategy, ``_norms.backend.ONE_PASS``) run here on CPU.
 
 On GPU and TPU, 2-norms are Blue's three accumulators in one variadic reduce with no
 ``lax.cond``; on CPU the plain sum of squares with a rare path (see ``jaxclip/_norms.py``).
@@ -22,17 +22,17 @@ import pytest
 import test_differential as d
 
 import jaxclip
-from jaxclip import _norms
+from jaxclip._norms import backend
 
 
 @pytest.fixture(autouse=True, scope="module")
 def one_pass():
     """Traces in this module take the single pass; caches are cleared on the way in and
     out, so no function traced with the other strategy is reused (here or elsewhere)."""
-    _norms.ONE_PASS = True
+    backend.ONE_PASS = True
     jax.clear_caches()
     yield
-    _norms.ONE_PASS = None
+    backend.ONE_PASS = None
     jax.clear_caches()
 
 
@@ -142,12 +142,12 @@ def test_no_conditional(mode):
         "norm_axes": lambda g: jaxclip.clip_tree_by_norm(g, 1.0, axes=1)[0],
     }[mode]
     assert not _has_cond(fn, tree)
-    _norms.ONE_PASS = False
+    backend.ONE_PASS = False
     try:  # the test itself can fail: the CPU strategy has the cond
         jax.clear_caches()
         assert _has_cond(fn, tree)
     finally:
-        _norms.ONE_PASS = True
+        backend.ONE_PASS = True
         jax.clear_caches()
 
 
@@ -160,7 +160,7 @@ def test_per_example_norms_keep_the_two_paths():
 
 def test_environment_variable():
     def run(value: str) -> subprocess.CompletedProcess:
-        code = "from jaxclip import _norms; print(_norms.ONE_PASS)"
+        code = "from jaxclip._norms import backend; print(backend.ONE_PASS)"
         env = {**os.environ, "JAXCLIP_ONE_PASS": value}
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 

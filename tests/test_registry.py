@@ -46,6 +46,7 @@ import pytest
 import reference as ref
 
 import jaxclip
+from jaxclip._registry import MODES
 
 P = functools.partial
 
@@ -102,17 +103,7 @@ TRANSFORMS = [
 ]
 
 # The hyperparameter optax.inject_hyperparams schedules, per factory (the others are static).
-HYPERPARAMETER = {
-    "clip_by_value": "max",
-    "clip_by_norm": "clip_norm",
-    "clip_by_global_norm": "clip_norm",
-    "adaptive_clip": "clipping",
-    "auto_clip": "percentile",
-    "quantile_clip": "quantile",
-    "standard_clip": "deviations",
-    "zclip": "z_thresh",
-    "skip_large_updates": "threshold",
-}
+HYPERPARAMETER = {m.name: m.scheduled for m in MODES}
 
 
 def _schedule(value: Any) -> Callable[[Any], Any]:
@@ -427,3 +418,27 @@ def test_inject_hyperparams_schedule(case):
         _assert_close(
             run.updates[2 * i + 1], run.expected[i][0], f"updates of emit {i + 1} ({run.hp}={used})"
         )
+
+
+def test_the_registry_holds_every_public_transformation():
+    """A public factory that returns a GradientTransformation and has no registry entry
+    would escape every check here; each entry's example builds, with the state type and
+    the logged fields it names."""
+    factories = set()
+    for name in dir(jaxclip):
+        fn = getattr(jaxclip, name)
+        hint = getattr(fn, "__annotations__", {}).get("return") if callable(fn) else None
+        if hint is not None and "GradientTransformation" in str(hint):
+            factories.add(name)
+    assert factories == {m.name for m in MODES}
+    grads = {"w": jnp.ones((2, 3))}
+    for m in MODES:
+        assert m.scheduled in inspect.signature(m.factory).parameters, m.name
+        g = jax.tree.map(lambda x: x[None], grads) if m.name == "clip_per_example" else grads
+        tx = m.build()
+        state = tx.init(grads)
+        _, state = tx.update(g, state, grads)
+        assert type(state) is m.state, m.name
+        assert set(m.logged) <= set(getattr(state, "_fields", ())), m.name
+        held = {f for f in m.logged if getattr(state, f) is not None}  # per-example norms: opt-in
+        assert held <= {k.split("/")[0] for k in jaxclip.clip_stats(state)}, m.name

@@ -170,7 +170,7 @@ _VALUE_CLIP = jax.jit(lambda x, lo, hi: jaxclip.clip_tree_by_value(x, hi, lo))
 @pytest.mark.parametrize("jit", [False, True])
 def test_value_bounds_hold_for_subnormals(dtype, jit):
     """XLA:CPU's float compares treat subnormals as 0: min=0 let -1e-40 through, and
-    min = max = 1e-40 let 0 and 2e-40 through (hostile review of 2026-11-23)."""
+    min = max = 1e-40 let 0 and 2e-40 through."""
     fi = jnp.finfo(dtype)
     sub = float(fi.smallest_subnormal)
     tiny, big = float(fi.tiny), float(fi.max)
@@ -210,7 +210,7 @@ def test_typed_prng_key_leaves_pass_through():
 @pytest.mark.parametrize("p", [2.0, 1.0, math.inf])
 def test_size_zero_leaves_with_axes(p):
     """A size-0 leaf whose kept dimensions hold the 0 crashed per-slice p != inf norms
-    (``cannot reshape array of shape (1, 0) into shape ()``; hostile review 2026-11-24)."""
+    (``cannot reshape array of shape (1, 0) into shape ()``)."""
     for shape, axes in [((7, 0), 0), ((0, 7), 1), ((2, 0, 3), 1)]:
         tree = {"empty": jnp.zeros(shape), "w": jnp.full((3, 4), 2.0)}
         out, norms = jaxclip.clip_tree_by_norm(tree, 1.0, axes=axes, norm_type=p)
@@ -236,7 +236,7 @@ def test_traced_value_bounds_that_cross_give_max():
 @pytest.mark.parametrize("p", [0.5, 1.0, 3.0, 100.0, math.inf])
 def test_complex_modulus_beyond_float32_for_every_norm_type(p):
     """Finite parts, ``|z|`` above float32's largest value: every p but 2 scaled by 0
-    (``|z|`` overflowed in the maxima; hostile review 2026-11-24)."""
+    (``|z|`` overflowed in the maxima)."""
     z = np.array([2.5e38 + 2.5e38j, 1 + 1j], np.complex64)
     mags = np.abs(z.astype(np.complex128))
     top = mags.max()
@@ -268,7 +268,7 @@ def test_per_example_norms_beyond_clip_norm_times_2_126_are_not_zeroed(reduce):
 
 def test_per_example_lift_leaves_room_for_large_clip_norms():
     """p < 1 lets a norm pass 2**128 with clip_norm = 2**40: a fixed 2**90 lift of every
-    weight overflowed the kept examples' terms to inf (second review, 2026-11-24)."""
+    weight overflowed the kept examples' terms to inf."""
     x = np.zeros((2, 1 << 20), np.float32)
     x[0, 0], x[1, :] = 2.0**39, 2.0**127
     (out,), _ = jaxclip.clip_tree_per_example([jnp.asarray(x)], 2.0**40, norm_type=0.5)

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxclip
+from jaxclip._registry import MODES
 
 INF, NAN = math.inf, math.nan
 
@@ -24,7 +25,7 @@ def _ids(cases):
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: the type of a threshold (a str, None, a bool, a complex number).
+# The type of a threshold (a str, None, a bool, a complex number).
 
 BAD_TYPES = [
     ("str", "1.0", r"clip_norm='1.0' is a str, not a number"),
@@ -111,7 +112,7 @@ def test_traced_threshold_of_wrong_dtype_is_caught_and_real_one_is_not():
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: each parameter's own reason in its error.
+# Each parameter's own reason in its error.
 
 OWN_REASONS = [
     (
@@ -176,7 +177,7 @@ def test_zclip_eps_zero_is_allowed():
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: axes.
+# Axes.
 
 BAD_AXES = [
     ("float", 1.0),
@@ -206,7 +207,7 @@ def test_integer_array_axes_are_accepted():
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: need_clip as an Equinox bool mask, and a bool at an empty subtree.
+# need_clip as an Equinox bool mask, and a bool at an empty subtree.
 
 
 # need_clip is resolved by one selection helper for every mode; value clipping shows the
@@ -251,7 +252,7 @@ def test_bool_at_an_empty_subtree_is_accepted(grads_empty, mask_entry):
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: adaptive_clip with a param of another shape than its gradient.
+# adaptive_clip with a param of another shape than its gradient.
 
 
 @pytest.mark.parametrize(
@@ -271,7 +272,7 @@ def test_adaptive_clip_param_shape_mismatch_names_the_path(pshape, gshape):
 
 
 # ----------------------------------------------------------------------------------------
-# Item 10: a callable need_clip sees params in init and gradients in update.
+# A callable need_clip sees params in init and gradients in update.
 
 BY_DTYPE = lambda path, leaf: leaf.dtype == jnp.float32  # noqa: E731
 
@@ -310,7 +311,7 @@ def test_need_clip_selecting_by_path_keeps_states_equal():
 
 
 # ----------------------------------------------------------------------------------------
-# Item 7: array-valued bounds in clip_by_value / clip_tree_by_value.
+# Array-valued bounds in clip_by_value / clip_tree_by_value.
 
 G = {"w": jnp.array([[-3.0, 0.5, 2.0], [1.5, -0.2, -4.0]]), "b": jnp.array([-2.0, 2.0, 0.1])}
 ARRAY_BOUNDS = [
@@ -400,7 +401,7 @@ def test_bounds_that_do_not_fit_a_leaf_name_it(hi, path, shape):
 
 
 # ----------------------------------------------------------------------------------------
-# Item 8: non-finite edge cases.
+# Non-finite edge cases.
 
 
 @pytest.mark.parametrize("threshold", [INF, 1e3], ids=["threshold-inf", "threshold-finite"])
@@ -436,25 +437,24 @@ def test_auto_clip_inf_on_first_step_scales_by_zero():
 
 
 # ----------------------------------------------------------------------------------------
-# Item 9: every mode's state is donatable (init's and update's, steps 1 and 2).
+# Every mode's state is donatable (init's and update's, steps 1 and 2).
 
 PARAMS = {"enc": {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}, "dec": jnp.ones(4)}
 GRADS = jax.tree.map(lambda p: 0.5 * p, PARAMS)
 _first = lambda path, leaf: path.split("/")[0]  # noqa: E731
 
-TRANSFORMS = [
-    ("clip_by_value", lambda: jaxclip.clip_by_value(1.0)),
+# Every registered mode (per-example clipping takes batched gradients: its state is
+# checked in test_per_example), and configurations whose states differ.
+TRANSFORMS = [(m.name, m.build) for m in MODES if m.name != "clip_per_example"] + [
     (
-        "clip_by_norm",
+        "clip_by_norm-axes",
         lambda: jaxclip.clip_by_norm(
             1.0, axes=0, need_clip={"enc": {"w": True, "b": False}, "dec": True}
         ),
     ),
     ("clip_by_global_norm-group", lambda: jaxclip.clip_by_global_norm(1.0, group=_first)),
-    ("adaptive_clip", lambda: jaxclip.adaptive_clip(0.1)),
-    ("auto_clip", lambda: jaxclip.auto_clip(10.0, window=4)),
-    ("zclip", lambda: jaxclip.zclip(warmup_steps=1, max_norm=1.0)),
-    ("skip_large_updates", lambda: jaxclip.skip_large_updates(optax.adamw(1e-3), 10.0)),
+    ("zclip-max_norm", lambda: jaxclip.zclip(warmup_steps=1, max_norm=1.0)),
+    ("skip_large_updates-adamw", lambda: jaxclip.skip_large_updates(optax.adamw(1e-3), 10.0)),
     (
         "chain-clip_by_global_norm-adamw",
         lambda: optax.chain(jaxclip.clip_by_global_norm(1.0), optax.adamw(1e-3)),

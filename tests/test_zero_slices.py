@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-from jaxclip import _norms
+from jaxclip._norms import arith, leafwise
 
 F32_TINY = float(np.finfo(np.float32).tiny)
 LO = F32_TINY * 2.0**64  # below this a float32 power sum is not exact as it stands
@@ -41,7 +41,7 @@ def _rows(dtype, big: float = 1e30) -> np.ndarray:
 def _cs(p: float) -> list[float]:
     """Clip norms far above the floor bound, just below it (the exact path), and below the
     tiny rows' norms (so those are clipped)."""
-    bound = _norms._floor_bound(np.dtype(np.float32), p)
+    bound = arith.floor_bound(np.dtype(np.float32), p)
     return [1.0, 0.5 * bound, 1e-27] if p != math.inf else [1.0, 1e-27]
 
 
@@ -194,7 +194,7 @@ def test_floored_norms_skip_the_small_slices_and_the_reported_ones_do_not():
     x = jnp.asarray(_rows(np.float32, big=1.0))  # an overflowed row would be read again
     exact = ref.norm([x], 2.0, (1,))[:, 0]
     for floor, skipped in ((1.0, True), (1e-12, False)):
-        (floored, reported), _ = _norms._slice_unit_norms(
+        (floored, reported), _ = leafwise._unit_norms(
             [x], 2.0, ((1,),), True, None, None, False, jnp.float32(floor), "exact"
         )
         np.testing.assert_allclose(ref.f64(reported[0].value)[:, 0], exact, rtol=4e-7)

@@ -1,0 +1,306 @@
+"""Backend measures: how reductions run, and every choice made for one backend.
+
+The maths elsewhere in the core is backend-neutral; this module alone knows what XLA:CPU
+(and XLA:GPU/TPU) do with it. The switch is :data:`ONE_PASS` (:func:`one_pass`): on
+GPU/TPU, where reductions are bound by memory, 2-norms take Blue's single pass with no
+``lax.cond``; on CPU, the plain sum with a rare path. XLA:CPU needs these measures to
+keep widened copies of low-precision gradients out of memory and kernels few (each is
+guarded by a mechanism test):
+
+- reductions read the leaves through an optimisation barrier (:func:`reduction_view`);
+- f16/f8 leaves, 16-bit buckets, maxima and the rare path use a reduce XLA fuses itself
+  (:func:`native`, :func:`reduce`), in chunks of :data:`BLOCK` elements, since that
+  reduce adds sequentially;
+- bf16 buckets are concatenated as 16-bit words (:func:`concatenate`);
+- per-leaf scalars are read at offsets XLA cannot fold (:func:`opaque`), so alike
+  leaves share one compiled kernel;
+- NaN is carried past XLA:CPU's max, which can drop it (:func:`max_keeping_nan`).
+
+On GPU/TPU these measures cost nothing; the blocked reduce is chosen per platform when
+lowering, so a GPU host computing on its CPU still runs the blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxclip._norms.arith import magnitude
+from jaxclip._norms.devices import Combine, Shape, one_device, varying
+
+Array = jax.Array
+Axes = tuple[int, ...] | None
+Elem = Callable[[Array, Any], Any]  # an array, or a tuple of them (several sums)
+
+#: XLA's fused (sequential) reduce runs over blocks of this many elements.
+BLOCK = 256
+#: The rare path shifts rows of at least this many elements in the library reduction.
+LIBRARY_ROW_MIN = 64
+#: Per-example norms re-read the rows of their out-of-range examples one at a time when
+#: at most one in this many examples is out of range, else the whole batch at once...
+ROWS_APART_OF = 8
+#: ... or more of them where an example is large: a loop over rows of this many bytes
+#: runs as fast per byte as a pass over the batch on XLA:CPU.
+ROW_BYTES_ALONE = 64 * 1024
+
+
+def _one_pass_from_env() -> bool | None:
+    value = os.environ.get("JAXCLIP_ONE_PASS", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"JAXCLIP_ONE_PASS must be 1 or 0 (or unset), got {value!r}")
+    return None if value == "" else value == "1"
+
+
+#: How 2-norms are computed: None picks by the default backend (Blue's single pass on
+#: GPU/TPU, the plain sum with a rare path on CPU), True or False forces one (also set by
+#: the environment variable ``JAXCLIP_ONE_PASS=1`` or ``0``). Both are exact; a change
+#: takes effect for functions traced afterwards (``jax.clear_caches()``).
+ONE_PASS: bool | None = _one_pass_from_env()
+
+
+def one_pass() -> bool:
+    """Whether 2-norms take Blue's three accumulators in one pass with no ``lax.cond``.
+
+    Where reductions are bound by memory (GPU, TPU) the extra arithmetic is free, and
+    with no conditional each leaf compiles to one reduction kernel (XLA:GPU does not
+    skip a ``lax.cond``'s reads). XLA:CPU runs the variadic reduce several times slower
+    than its library sum, so there the plain sum of squares runs, and a ``lax.cond``
+    takes the rare path only when that sum is out of range. The choice follows the
+    default backend at trace time; only speed depends on it.
+    """
+    return jax.default_backend() != "cpu" if ONE_PASS is None else ONE_PASS
+
+
+def reduction_view(arrays: Sequence[Array]) -> list[Array]:
+    """The arrays behind an optimisation barrier, for the reductions to read.
+
+    When a leaf feeds both a reduction and the scaling pass, XLA:CPU materialises its
+    float32 upcast once for both (a full widened copy of bf16/f16 gradients). Reading
+    the reductions through a barrier (a no-op alias) keeps each upcast fused into its
+    own consumer, so no temporary exists.
+    """
+    return barrier(arrays)[0]
+
+
+def barrier(arrays: Sequence[Array], extra: Any = None) -> tuple[list[Array], list[Any]]:
+    """``optimization_barrier`` of ``arrays``, one barrier per set of varying mesh axes:
+    inside ``shard_map`` a single barrier would make every array vary across the union
+    of their axes. With ``extra`` (shift factors), each array passes its own barrier
+    with its own copy of ``extra``: from one shared copy, XLA:CPU computes the factor's
+    broadcast once for all arrays of a shape, at full size."""
+    if extra is not None:
+        pairs = [lax.optimization_barrier((x, extra)) for x in arrays]
+        return [x for x, _ in pairs], [e for _, e in pairs]
+    groups: dict[frozenset[str], list[int]] = {}
+    for i, x in enumerate(arrays):
+        groups.setdefault(varying(x), []).append(i)
+    out = list(arrays)
+    for members in groups.values():
+        xs = lax.optimization_barrier([arrays[i] for i in members])
+        for i, x in zip(members, xs):
+            out[i] = x
+    return out, [None] * len(arrays)
+
+
+def native(x: Array, bucketed: bool, rare: bool = False, p: float = 2.0) -> bool:
+    """Whether ``x`` is reduced by XLA's own fused reduce (see :func:`reduce`): f16 and
+    8-bit leaves, 16-bit buckets, every ``p=inf`` max (XLA:CPU's library max of many
+    elements can lose a NaN; the fused one is as fast), and everything on the rare path
+    (XLA:CPU's library reduce would materialise the broadcast of the shift factors, or a
+    widened copy where two reductions read one low-precision leaf); never a sharded leaf,
+    whose variadic reduce XLA would partition with an all-gather."""
+    small = x.dtype.itemsize < 4 and not jnp.iscomplexobj(x)
+    # bf16 goes to the library reduce only where its convert fuses (integer powers).
+    fractional = math.isfinite(p) and p != int(p)
+    wanted = rare or p == math.inf
+    wanted |= small and (x.dtype != jnp.bfloat16 or bucketed or fractional)
+    return wanted and one_device(x)
+
+
+def rare_native(x: Array, bucketed: bool, p: float, axes: Axes) -> bool:
+    """:func:`native` for the rare path's second read of a 2-norm: the library reduction
+    (faster to compile and to run) for a 32/64-bit leaf reduced whole or over trailing
+    axes of at least :data:`LIBRARY_ROW_MIN` elements, each row shifted by its factor.
+    The fused one for narrower data, whose upcast XLA:CPU would otherwise materialise
+    for both reads; for buckets, whose row factors' broadcast it would materialise; for
+    leading or middle axes and short rows, where the library reduce is slower."""
+    dims = tuple(range(x.ndim)) if axes is None else tuple(sorted(axes))
+    trailing = dims == tuple(range(x.ndim - len(dims), x.ndim))
+    rows = math.prod(x.shape[d] for d in dims) >= LIBRARY_ROW_MIN or len(dims) == x.ndim
+    fused = p != 2.0 or x.dtype.itemsize < 4 or bucketed or not (trailing and rows)
+    return native(x, bucketed, rare=fused, p=p)
+
+
+def _fused_reduce(x: Array, elem: Elem, s: Any, dims: tuple[int, ...], op: str) -> Array:
+    """``op`` of ``elem(x)`` over ``dims`` (dropped) as one variadic reduce XLA fuses itself.
+
+    The reduce also takes ``min |x|``, tied into the result (``min >= 0`` unless NaN, when
+    the result is NaN anyway), so that it is not simplified back into a library reduce.
+    """
+    v = elem(x, s)
+    if isinstance(v, tuple):  # several sums in one pass (already variadic)
+        zeros = tuple(jnp.zeros((), t.dtype) for t in v)
+        return lax.reduce(v, zeros, lambda a, b: tuple(map(jnp.add, a, b)), dims)
+    zero = jnp.zeros((), v.dtype)
+    add_or_max = jnp.add if op == "sum" else jnp.maximum
+    r, low = lax.reduce(
+        (v, magnitude(x, v.dtype)),
+        (zero, jnp.asarray(jnp.inf, v.dtype)),
+        lambda a, b: (add_or_max(a[0], b[0]), jnp.minimum(a[1], b[1])),
+        dims,
+    )
+    # lax, not jnp.where: a jitted function, a call per reduction in the program.
+    return lax.select(low >= 0, r, lax.full_like(r, jnp.nan))
+
+
+def shaped(r: Any, shape: Shape) -> Any:
+    """Every array of the pytree ``r`` reshaped to ``shape``."""
+    return jax.tree.map(lambda v: v.reshape(shape), r)
+
+
+def reduce(
+    x: Array, elem: Elem, axes: Axes, op: str, fused: bool, s: tuple[Array, ...] | None = None
+) -> Array:
+    """Sum or max of ``elem(x, s)`` over ``axes`` (all when None), with keepdims.
+
+    ``elem`` is elementwise, applied to ``x`` or to a reshaped part of it; ``s`` (keepdims
+    shape, or None) are per-slice operands reshaped along with it. With ``fused`` the
+    reduction is XLA's fused one (see :func:`native`). That reduce adds sequentially, so
+    a sum runs over chunks of :data:`BLOCK` elements (twice that for 8-bit data) of the
+    reduced axes, flattened where adjacent, whose results a library reduction adds
+    (pairwise-accurate); the chunk results cost ``8 / BLOCK`` bytes per element. Reduced
+    axes that are not adjacent are reduced a run at a time, the last first.
+    """
+    dims = tuple(range(x.ndim)) if axes is None else tuple(sorted(axes))
+    kept = tuple(1 if i in dims else d for i, d in enumerate(x.shape))
+    if not fused:
+        return (jnp.sum if op == "sum" else jnp.max)(elem(x, s), axis=dims, keepdims=True)
+    block = BLOCK if x.dtype.itemsize > 1 else 2 * BLOCK  # chunk results <= 2% of the bytes
+    n = len(dims)
+    length = math.prod(x.shape[d] for d in dims)
+    if op == "max" or length <= block:  # a max is exact in any order
+        return shaped(_fused_reduce(x, elem, s, dims, op), kept)
+    at = dims[0]
+    if dims != tuple(range(at, at + n)):
+        # Not adjacent: the last run of adjacent axes, then the partial sums (in the
+        # accumulation dtype, and smaller) over the other axes by the library reduction.
+        last = next(d for i, d in enumerate(dims) if dims[i:] == tuple(range(d, dims[-1] + 1)))
+        r = reduce(x, elem, tuple(range(last, dims[-1] + 1)), op, fused, s)
+        others = tuple(d for d in dims if d < last)
+        return jax.tree.map(lambda v: jnp.sum(v, axis=others, keepdims=True), r)
+    # Adjacent (trailing, leading, or in the middle): one axis of ``length``, in chunks.
+    flat = x.reshape((*x.shape[:at], length, *x.shape[at + n :]))
+    if s is not None:
+        s = tuple(f.reshape((*f.shape[:at], 1, *f.shape[at + n :])) for f in s)
+    chunks = length // block
+    shape = (*flat.shape[:at], chunks, block, *flat.shape[at + 1 :])
+    main = lax.slice_in_dim(flat, 0, chunks * block, axis=at).reshape(shape)
+    s1 = None if s is None else tuple(jnp.expand_dims(f, at + 1) for f in s)
+    r = _fused_reduce(main, elem, s1, (at + 1,), op)
+    if isinstance(r, tuple):  # one library reduction for all the sums' chunk results
+        r = tuple(jnp.sum(jnp.stack(r), axis=at + 1))
+    else:
+        r = jnp.sum(r, axis=at)
+    if chunks * block < length:
+        tail = lax.slice_in_dim(flat, chunks * block, length, axis=at)
+        r = jax.tree.map(jnp.add, r, _fused_reduce(tail, elem, s, (at,), op))
+    return shaped(r, kept)
+
+
+def variadic_sum(x: Array, elem: Elem, axes: Axes, fused: bool) -> tuple[Array, ...]:
+    """The several sums of ``elem(x)`` (a tuple) over ``axes`` (keepdims) in one pass:
+    one variadic reduce, or (a sharded ``x``, whose variadic reduce XLA would gather)
+    library reductions. Chosen per platform when lowering, not by the default backend:
+    XLA:CPU's fused reduce is sequential (blocks), XLA:GPU's reduces in a tree."""
+    dims = tuple(range(x.ndim)) if axes is None else axes
+    if not fused:
+        return tuple(jnp.sum(t, axis=dims, keepdims=True) for t in elem(x, None))
+    kept = tuple(1 if i in dims else d for i, d in enumerate(x.shape))
+    return lax.platform_dependent(
+        x,
+        cpu=lambda v: reduce(v, elem, axes, "sum", True),
+        default=lambda v: shaped(_fused_reduce(v, elem, None, dims, "sum"), kept),
+    )
+
+
+def max_keeping_nan(x: Array, axes: Axes = None) -> Array:
+    """``max x`` over ``axes`` (all when None; 0 for no elements), NaN where ``x`` holds
+    one: XLA:CPU's library max of many values and its cross-device max can drop a NaN."""
+    top = jnp.max(x, axis=axes, initial=0, keepdims=axes is not None)
+    return jnp.where(jnp.any(jnp.isnan(x), axis=axes, keepdims=axes is not None), jnp.nan, top)
+
+
+def concatenate(parts: Sequence[Array]) -> Array:
+    """``jnp.concatenate``, moving bfloat16 as raw 16-bit words: XLA:CPU would otherwise
+    run a bfloat16 concatenation in float32, a widened copy of every part."""
+    if parts[0].dtype != jnp.bfloat16:
+        return jnp.concatenate(parts)
+    return _concatenate_words(tuple(parts))
+
+
+@jax.custom_jvp
+def _concatenate_words(parts: tuple[Array, ...]) -> Array:
+    words = jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint16) for x in parts])
+    return lax.bitcast_convert_type(words, jnp.bfloat16)
+
+
+@_concatenate_words.defjvp
+def _concatenate_words_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
+    # The words carry no derivative: the tangents are concatenated as numbers.
+    (parts,), (dparts,) = primals, tangents
+    return _concatenate_words(parts), jnp.concatenate(dparts)
+
+
+def opaque(values: Sequence[int], like: Array | None) -> list[Any]:
+    """``values`` as int32 scalars that XLA cannot fold into the kernels that read them:
+    outputs of a ``lax.cond`` on a traced predicate (from ``like``) whose branches both
+    return them. Each leaf's scaling kernel reads its scalars out of stacked vectors at
+    such an offset, so that the kernels of alike leaves are identical and XLA:CPU
+    compiles them once; at a constant offset every one is a kernel of its own. Plain
+    constants with the single pass (GPU/TPU), which keeps no conditional."""
+    # numpy scalars: several times faster to trace than jnp.int32, a thousand per tree.
+    if like is None or not values or one_pass():
+        return list(np.asarray(values, np.int32))
+
+    def consts() -> list[Any]:
+        return list(np.asarray(values, np.int32))
+
+    return lax.cond(jnp.ravel(like)[0].astype(bool), consts, consts)
+
+
+def pick(v: Array, at: Any, size: int) -> Array:
+    """``v[at : at + size]`` (along the first axis) for an offset ``at >= 0``: one
+    dynamic slice (``lax.dynamic_index_in_dim`` is a jitted function: a call per use, a
+    thousand per tree, which XLA's passes then inline; negative offsets cost a select)."""
+    starts = (at, *(np.int32(0),) * (v.ndim - 1))
+    return lax.dynamic_slice(v, starts, (size, *v.shape[1:]), allow_negative_indices=False)
+
+
+def row(x: Array, b: Array) -> Array:
+    """``x[b]``; a 16-bit ``x`` passes a barrier with ``b`` first: XLA would otherwise
+    widen the whole array once, outside the loop that slices it."""
+    if x.dtype.itemsize == 2 and not jnp.iscomplexobj(x):
+        x, b = lax.optimization_barrier((x, b))
+    return lax.dynamic_index_in_dim(x, b, 0, keepdims=False)
+
+
+def rows_apart_limit(units: Sequence[Array], batch: int) -> int:
+    """The most out-of-range examples whose rows the rare path reads one at a time: a
+    loop over rows runs as fast per byte as a pass over the batch where rows are large,
+    and up to three quarters of the batch may take it."""
+    size = sum(u.size * u.dtype.itemsize for u in units) // batch
+    return max(1, batch // ROWS_APART_OF, min(batch * 3 // 4, batch * size // ROW_BYTES_ALONE))
+
+
+def rows_apart(units: Sequence[Array], combines: Sequence[Combine], shape: Shape) -> bool:
+    """Whether the rare path of per-example norms may read single examples' rows: each
+    unit whole on one device (a dynamic slice of a sharded batch axis would gather it) and
+    nothing combined across devices (a collective in a loop whose trip count differs)."""
+    return len(shape) == 1 and shape[0] > 1 and not any(combines) and all(map(one_device, units))

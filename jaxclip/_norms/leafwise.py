@@ -1,0 +1,207 @@
+"""Norms and clipping per leaf, or per slice of a leaf: ``clip_by_norm``, AGC.
+
+Each leaf's norms come from its unit (a leaf alone, or its row of a bucket), and the
+clipping factors of all units are one set of kernels (``stacking.stacked``); each leaf
+reads its values back at an opaque offset, so alike leaves share one scaling kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxclip._norms.arith import Norm
+from jaxclip._norms.backend import Axes, reduction_view
+from jaxclip._norms.clip import Factor, apply_factors, as_acc, clip_factor
+from jaxclip._norms.devices import AxisName, Combine, combine_axes, one_device
+from jaxclip._norms.slices import unit_norms
+from jaxclip._norms.stacking import stacked
+from jaxclip._norms.units import Unit, build, per_leaf, places, plan
+
+Array = jax.Array
+
+
+def _layout(
+    leaves: Sequence[Array], axes: tuple[Axes, ...], bucket: bool, axis_name: AxisName, paths: Any
+) -> list[Unit]:
+    names = paths or ("",) * len(leaves)
+    combines: list[Combine] = [
+        combine_axes(x, axis_name, a is None or len(a) == x.ndim, path)
+        for x, a, path in zip(leaves, axes, names)
+    ]
+    return plan(leaves, axes, combines, bucket, rows=True)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("p", "axes", "axis_name", "paths", "static_split", "bucket", "report"),
+)
+def _layout_norms(
+    leaves: Sequence[Array],
+    floor: Array | None,
+    p: float,
+    axes: tuple[Axes, ...],
+    axis_name: AxisName,
+    paths: tuple[str, ...] | None,
+    static_split: bool,
+    bucket: bool,
+    report: str,
+) -> Any:
+    """The norms of the units of ``leaves``: jitted, so that two alike trees (AGC's
+    gradients and params) trace it once."""
+    layout = _layout(leaves, axes, bucket, axis_name, paths)
+    if not layout:
+        return [] if floor is None else ([], [])
+    units, unit_axes, bucketed = build(reduction_view(leaves), axes, layout)
+    combines = tuple(u.combine for u in layout)
+    args = (p, tuple(unit_axes), tuple(bucketed), combines, static_split, report)
+    return unit_norms(tuple(units), floor, *args)
+
+
+def _unit_norms(
+    leaves: Sequence[Array],
+    p: float,
+    axes: tuple[Axes, ...],
+    bucket: bool,
+    axis_name: AxisName,
+    paths: tuple[str, ...] | None,
+    static_split: bool = False,
+    floor: Array | None = None,
+    report: str = "exact",
+) -> tuple[Any, list[tuple[int, int]]]:
+    """The norms of the units, and per leaf ``(unit, row)`` (see ``units.places``). With a
+    ``floor``, two lists of norms (see ``slices.unit_norms_body``)."""
+    where = places(len(leaves), _layout(leaves, axes, bucket, axis_name, paths))
+    norms = _layout_norms(leaves, floor, p, axes, axis_name, paths, static_split, bucket, report)
+    return norms, where
+
+
+@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket", "axis_name", "paths"))
+def slice_norms(
+    leaves: Sequence[Array],
+    p: float,
+    axes: tuple[Axes, ...],
+    *,
+    bucket: bool = True,
+    axis_name: AxisName = None,
+    paths: tuple[str, ...] | None = None,
+) -> list[Norm]:
+    """Norms of each leaf over its ``axes`` (all axes when None), with ``keepdims``.
+
+    Args:
+      leaves: floating or complex arrays.
+      p: the norm type (> 0, or inf).
+      axes: per leaf, the axes to reduce (normalised, non-negative), or None for all.
+      bucket: bucket small single-device leaves whose ``axes`` is None.
+      axis_name: mapped axes over which partial norms are combined (see
+        :func:`~jaxclip._norms.devices.combine_axes`).
+      paths: the leaves' paths, for error messages.
+
+    Returns:
+      Per leaf, a :class:`Norm` broadcastable against it, in its accumulation dtype.
+    """
+    norms, where = _unit_norms(leaves, p, axes, bucket, axis_name, paths)
+    return per_leaf(leaves, norms, where)
+
+
+@functools.partial(jax.jit, static_argnames=("p", "axes", "bucket", "axis_name", "paths", "report"))
+def clip_slices(
+    leaves: Sequence[Array],
+    p: float,
+    axes: tuple[Axes, ...],
+    clip_norm: Any,
+    *,
+    bucket: bool = True,
+    axis_name: AxisName = None,
+    paths: tuple[str, ...] | None = None,
+    report: str = "exact",
+) -> tuple[list[Array], list[Array]]:
+    """Each leaf (each slice over its ``axes``) scaled to norm at most ``clip_norm``.
+
+    The factors need no exact norm of slices too small to reach ``clip_norm`` (all-zero
+    rows): the norms returned do (``report="exact"``, a second pass where such slices
+    exist, which XLA drops when they are unused), or only as far as each leaf's largest
+    (``"largest"``).
+
+    Returns:
+      ``(clipped, norms)``: the scaled leaves, and per leaf its norms with the ``axes``
+      dimensions removed (a scalar for a whole leaf).
+    """
+    # The unit norms are split at constant offsets and stacked again right here, which
+    # XLA folds away.
+    floor = jnp.min(jnp.asarray(clip_norm))
+    (norms, reported), where = _unit_norms(
+        leaves, p, axes, bucket, axis_name, paths, True, floor, report
+    )
+
+    def factors(frac: Array, exp: Array, rfrac: Array, rexp: Array) -> tuple[Array, ...]:
+        # The reported value last: the opaque offsets are read off the first output,
+        # which would keep the reported norms' pass alive when they are unused.
+        return (*clip_factor(Norm(frac, exp), clip_norm), frac, exp, Norm(rfrac, rexp).value)
+
+    fracs, exps = [n.frac for n in norms], [n.exp for n in norms]
+    rfracs, rexps = [n.frac for n in reported], [n.exp for n in reported]
+    per = stacked(factors, fracs, exps, rfracs, rexps, where=where, raw=True)
+    leaf_norms = [Norm(*f[3:5]) for f in per]  # read only by the derivative rule
+    cs = {n.frac.dtype: as_acc(clip_norm, n) for n in norms}
+    out = apply_factors(
+        leaves, [Factor(*f[:3]) for f in per], leaf_norms, [cs[n.frac.dtype] for n in leaf_norms]
+    )
+    values = []
+    for x, a, (*_, value) in zip(leaves, axes, per):
+        kept = () if a is None else tuple(d for i, d in enumerate(x.shape) if i not in a)
+        if value.shape != kept:  # a single value: lax.reshape; else the slices' norms
+            one = value.size == 1 and one_device(value)
+            value = lax.reshape(value, kept) if one else jnp.squeeze(value, axis=a)
+        values.append(value)
+    return out, values
+
+
+@functools.partial(jax.jit, static_argnames=("axes", "axis_name", "paths"))
+def clip_slices_relative(
+    leaves: Sequence[Array],
+    refs: Sequence[Array],
+    axes: tuple[Axes, ...],
+    clipping: Any,
+    eps: Any,
+    *,
+    axis_name: AxisName = None,
+    paths: tuple[str, ...] | None = None,
+) -> list[Array] | None:
+    """Each slice of ``leaves`` scaled to 2-norm at most ``clipping * max(n, eps)``, ``n``
+    the 2-norm of the same slice of ``refs`` (AGC: the gradients against the params).
+
+    As :func:`clip_slices`, the limits and factors of all units are one set of kernels;
+    None where ``refs`` bucket otherwise than ``leaves`` (dtypes that group
+    differently), for the caller's per-leaf path.
+    """
+    # Floors: a limit is at least clipping * eps, and a reference norm below eps counts
+    # as eps, so all-zero rows of either need no second pass.
+    eps_floor = jnp.min(jnp.asarray(eps))
+    floor = jnp.min(clipping * eps_floor)
+    (norms, _), where = _unit_norms(leaves, 2.0, axes, True, axis_name, paths, True, floor)
+    (rnorms, _), rwhere = _unit_norms(refs, 2.0, axes, True, axis_name, paths, True, eps_floor)
+    if where != rwhere or [n.frac.shape for n in norms] != [n.frac.shape for n in rnorms]:
+        return None
+
+    def factors(frac: Array, exp: Array, rfrac: Array, rexp: Array) -> tuple[Array, ...]:
+        limit = clipping * jnp.maximum(Norm(rfrac, rexp).value, eps)
+        return (*clip_factor(Norm(frac, exp), limit), frac, exp, limit)
+
+    per = stacked(
+        factors,
+        [n.frac for n in norms],
+        [n.exp for n in norms],
+        [r.frac.astype(n.frac.dtype) for r, n in zip(rnorms, norms)],
+        [r.exp.astype(n.frac.dtype) for r, n in zip(rnorms, norms)],
+        where=where,
+        raw=True,
+    )
+    return apply_factors(
+        leaves, [Factor(*f[:3]) for f in per], [Norm(*f[3:5]) for f in per], [f[5] for f in per]
+    )

@@ -1,0 +1,345 @@
+"""Per-slice norms: one norm per leaf, per slice over ``axes``, or per bucket row.
+
+Each unit's plain sums are one pass; one ``lax.cond`` for all units takes the rare path
+only when some sum is out of its exact range, and there only the units out of range
+read their data again. With a ``floor`` (the clip norm), slices too small to reach it
+(all-zero rows: unused embeddings, frozen leaves) are not read again at all: their
+norms count as 0 in the ``floored`` result that clipping reads, and the ``reported``
+norms take their own ``lax.cond``, which XLA drops when the caller does not use them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxclip._norms.arith import (
+    Norm,
+    acc_dtype,
+    exact_lo,
+    floor_bound,
+    in_exact_range,
+    in_range_norm,
+    where_norm,
+)
+from jaxclip._norms.backend import Axes, native, one_pass, rare_native
+from jaxclip._norms.devices import Combine, has_unmapped, pmax, psum
+from jaxclip._norms.passes import blue_norm, blue_sums, inf_norms, inf_result, max_abs, power_sum
+from jaxclip._norms.rare import max_shift, shift_factors, shifted_norm, shifted_sum, sum_shift
+from jaxclip._norms.rules import batchable, norm_tangent, tangent
+from jaxclip._norms.stacking import (
+    Groups,
+    all_of,
+    any_of,
+    every,
+    groups_of,
+    stack,
+    stacked,
+    unstack,
+)
+
+Array = jax.Array
+
+
+class _Sums(NamedTuple):
+    """The units of one call and their plain power sums (combined over devices)."""
+
+    units: tuple[Array, ...]
+    p: float
+    axes: tuple[Axes, ...]
+    bucketed: tuple[bool, ...]
+    combines: tuple[Combine, ...]
+    batch: int  # examples leading each unit under the vmap rule (1: none)
+    sums: list[Array]
+    groups: Groups
+    flat: list[Array]  # the sums stacked per group
+
+
+def _low(s: Array) -> Array:
+    return s < exact_lo(s.dtype)
+
+
+def _single_pass(
+    units: tuple[Array, ...],
+    p: float,
+    axes: tuple[Axes, ...],
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+) -> list[Norm]:
+    """Norms with no rare path: ``p=inf`` (maxima), and Blue's one pass for ``p=2``."""
+    if p == math.inf:
+        fused = [native(x, b, p=p) for x, b in zip(units, bucketed)]
+        ms, halves = inf_norms(units, axes, fused)
+        ms = [pmax(m, c) for m, c in zip(ms, combines)]
+        if halves is None:
+            return stacked(inf_result, ms)
+        return stacked(inf_result, ms, [pmax(h, c) for h, c in zip(halves, combines)])
+    parts = [
+        tuple(psum(t, c) for t in blue_sums(x, a, native(x, b, rare=True)))
+        for x, a, b, c in zip(units, axes, bucketed, combines)
+    ]
+    return stacked(blue_norm, *(list(q) for q in zip(*parts)))
+
+
+def _in_range(sums: _Sums) -> list[Norm]:
+    return [in_range_norm(s, sums.p) for s in sums.flat]
+
+
+def _zeros(x: Array, f: Array) -> Array:
+    return jnp.zeros_like(f)
+
+
+@functools.cache
+def _shifted_by_sum(p: float, a: Axes, b: bool, c: Combine) -> Callable[[Array, Array], Array]:
+    """The rare branch of a 2-norm unit: one function per kind of unit, so that JAX
+    traces it once for alike units."""
+
+    def branch(x: Array, f: Array) -> Array:
+        return psum(shifted_sum(x, p, a, rare_native(x, b, p, a), (f,)), c)
+
+    return branch
+
+
+def _neutral(m: Array) -> tuple[Array, Array, Array]:
+    """The rare parts ``(m, e, t)`` of slices that need none (in range, or all zeros of
+    maxima ``m``): ``(m, -inf, 0)``."""
+    return m, jnp.full_like(m, -jnp.inf), jnp.zeros_like(m)
+
+
+def _shifted_by_max(
+    x: Array, p: float, a: Axes, b: bool, c: Combine, ok: Array
+) -> tuple[Array, Array, Array]:
+    """The rare parts ``(m, e, t)`` of a unit: its maxima first (all-zero slices need no
+    more, and a max pass is the cheaper read), then the sums shifted by them."""
+    fused = native(x, b, rare=True)
+    m = pmax(max_abs(x, a, acc_dtype(x.dtype), fused, parts=True), c)
+
+    def parts() -> tuple[Array, Array, Array]:
+        e, mant = max_shift(m, p)
+        good = (m > 0) & jnp.isfinite(m)
+        t = shifted_sum(x, p, a, fused, shift_factors(e, mant, acc_dtype(x.dtype), False))
+        return m, jnp.where(good, e, -jnp.inf), psum(t, c)
+
+    return lax.cond(jnp.all(ok | (m == 0)), functools.partial(_neutral, m), parts)
+
+
+def _finish(p: float, s: Array, ok: Array, t: Array, m: Array | None = None, e: Any = None) -> Norm:
+    """The norm of stacked slices: the plain sum's where ``ok``, else the shifted one's."""
+    if m is None:  # a 2-norm: t was shifted by 2**-e, e from s
+        n = shifted_norm(t, p, sum_shift(s, ok), None, None)
+    else:
+        n = shifted_norm(t, p, jnp.where(jnp.isfinite(e), e, 0), max_shift(m, p)[1], m)
+    return where_norm(ok, in_range_norm(s, p), n)
+
+
+def _rare(sums: _Sums, settled: list[Array] | None = None) -> list[Norm]:
+    """The rare path: a unit whose slices are all in range, or which ``settled`` says
+    needs no more (its other slices count 0), keeps its plain norms; the others read
+    their data again, shifted."""
+    p, us = sums.p, sums
+    oks = [in_exact_range(s, acc_dtype(s.dtype)) for s in sums.sums]
+    done = settled if settled is not None else [every(ok) for ok in oks]
+    kinds = zip(us.units, us.axes, us.bucketed, us.combines)
+    if p == 2.0:
+        factors = stacked(
+            lambda s, ok: shift_factors(sum_shift(s, ok), None, s.dtype, True)[0], sums.sums, oks
+        )
+        ts = [
+            lax.cond(d, _zeros, _shifted_by_sum(p, a, b, c), x, f)
+            for (x, a, b, c), d, f in zip(kinds, done, factors)
+        ]
+        return [_finish(p, *v) for v in stack(sums.groups, sums.sums, oks, ts)]
+    parts = [
+        lax.cond(
+            d,
+            functools.partial(_neutral, jnp.zeros_like(s)),
+            functools.partial(_shifted_by_max, x, p, a, b, c, ok),
+        )
+        for (x, a, b, c), d, s, ok in zip(kinds, done, sums.sums, oks)
+    ]
+    ms, es, ts = (list(v) for v in zip(*parts))
+    return [_finish(p, *v) for v in stack(sums.groups, sums.sums, oks, ts, ms, es)]
+
+
+def _small_leaves(sums: _Sums, u: int) -> Array:
+    """Per leaf of unit ``u`` (a bucket's rows, else the unit, one per example under the
+    vmap rule), whether it has a small slice and none of a plain sum of 4 lo or more
+    (above any small slice's norm, see ``arith.floor_bound``). Reductions, not segment
+    ops: a scatter over a sharded unit's sums fails under explicit sharding."""
+    s = sums.sums[u]
+    if sums.bucketed[u]:
+        return _low(s)
+    dims = tuple(range(1 if sums.batch > 1 else 0, s.ndim))
+    return _low(jnp.min(s, dims)) & ~(jnp.max(s, dims) >= 4 * exact_lo(s.dtype))
+
+
+def _floored(sums: _Sums, floor: Array, all_ok: Array, report: str) -> tuple[Any, Any]:
+    """``(floored, reported)`` stacked norms for a clip norm of at least ``floor``."""
+    p, flat = sums.p, sums.flat
+    dtypes = sorted({v.dtype for v in flat}, key=str)
+    fine = tuple(floor.astype(d) >= floor_bound(d, p) for d in dtypes)
+
+    def fine_of(fines: Any, v: Array) -> Array:
+        return fines[dtypes.index(v.dtype)]
+
+    any_low = [jnp.any(_low(v)) for v in flat]
+    over = any_of([jnp.any(~(v < jnp.inf)) for v in flat])  # overflowed, or NaN
+    need = any_of([over] + [lo & ~fine_of(fine, v) for lo, v in zip(any_low, flat)])
+    left = any_of([lo & fine_of(fine, v) for lo, v in zip(any_low, flat)])
+
+    def rare_pass(ops: tuple[tuple[Array, ...], Array]) -> list[Norm]:
+        # One traced function for every use, told apart by operands: a unit is read
+        # again unless its slices out of range are all small where ``fines`` says the
+        # floor is above them; with ``whole``, unless it is settled (no overflow, and
+        # each of its leaves has a norm above every small one).
+        fines, whole = ops
+        settled = []
+        for u, s in enumerate(sums.sums):
+            ok = in_exact_range(s, acc_dtype(s.dtype))
+            kept = every(ok | (_low(s) & fine_of(fines, s)))
+            if report == "largest":
+                small = jnp.any(_small_leaves(sums, u))
+                kept = jnp.where(whole, ~jnp.any(~(s < jnp.inf)) & ~small, kept)
+            settled.append(kept)
+        return _rare(sums, settled)
+
+    def cheap(ops: Any) -> list[Norm]:
+        return [Norm(*(jnp.where(_low(v), 0, h) for h in n)) for v, n in zip(flat, _in_range(sums))]
+
+    no, yes = jnp.zeros((), bool), jnp.ones((), bool)
+    floored = lax.cond(need, rare_pass, cheap, (fine, no))
+
+    def keep(ops: Any) -> list[Norm]:
+        return floored
+
+    if report == "exact":  # floored is exact when all is in range, or no slice was skipped
+        exact = (tuple(no for _ in fine), no)
+        return floored, lax.cond(all_ok | (need & ~left), keep, rare_pass, exact)
+
+    def some_small() -> Array:
+        return any_of([jnp.any(_small_leaves(sums, u)) for u in range(len(sums.sums))])
+
+    # False varying as all_ok does (inside shard_map both branches must).
+    some = lax.cond(all_ok, lambda: all_ok & False, some_small)
+    return floored, lax.cond(some, rare_pass, keep, (fine, yes))
+
+
+def unit_norms_body(
+    units: tuple[Array, ...],
+    floor: Array | None,
+    p: float,
+    axes: tuple[Axes, ...],
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+    static_split: bool = False,
+    report: str = "exact",
+    batch: int = 1,
+) -> Any:
+    """The exact norms of each unit over its ``axes`` (keepdims); with a ``floor`` (a
+    scalar), ``(floored, reported)``.
+
+    ``floored`` is exact where the norm may exceed ``floor``, and 0 in place of a norm
+    known to be below it: a slice whose plain sum is too small to be exact is read again
+    only when ``floor`` is below ``arith.floor_bound`` (a clipping factor keeps such a
+    slice whatever its exact norm). ``reported`` is, for ``report="exact"``, exact
+    everywhere; for ``"largest"``, exact enough that each leaf's largest norm is exact.
+    A leaf is a row of a bucket, else a whole unit, or under the vmap rule (``batch``
+    examples leading) one example of it. With ``static_split`` the norms are split out
+    of their stacked vectors at constant offsets, for a caller that stacks them again.
+    """
+    if p == math.inf or (p == 2.0 and one_pass()):
+        norms = _single_pass(units, p, axes, bucketed, combines)
+        return norms if floor is None else (norms, norms)
+    plain = [
+        psum(power_sum(x, p, a, native(x, b, p=p)), c)
+        for x, a, b, c in zip(units, axes, bucketed, combines)
+    ]
+    # The stacked vectors cross the cond and are split after it: split inside, each
+    # unit's slice would be a kernel recomputing the whole vector's maths.
+    groups = groups_of(plain)
+    flat = [v for (v,) in stack(groups, plain)]
+    sums = _Sums(units, p, axes, bucketed, combines, batch, plain, groups, flat)
+    all_ok = all_of([jnp.all(in_exact_range(v, v.dtype)) for v in flat])
+    shapes = [v.shape for v in plain]
+
+    def split(results: Any) -> list[Norm]:
+        return unstack(results, groups, shapes, static=static_split)
+
+    if floor is None:
+        return split(lax.cond(all_ok, lambda: _in_range(sums), lambda: _rare(sums)))
+    floored, reported = _floored(sums, floor, all_ok, report)
+    return split(floored), split(reported)
+
+
+def _unit_norms_impl(
+    units: tuple[Array, ...],
+    floor: Array | None,
+    p: float,
+    axes: tuple[Axes, ...],
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+    static_split: bool,
+    report: str,
+) -> Any:
+    args = (p, axes, bucketed, combines, static_split, report)
+    if has_unmapped(combines):  # a named vmap's axis: the batching rule could not psum
+        return unit_norms_body(units, floor, *args)
+    return _batchable_unit_norms(*args)(units, floor)
+
+
+@functools.cache
+def _batchable_unit_norms(
+    p: float,
+    axes: tuple[Axes, ...],
+    bucketed: tuple[bool, ...],
+    combines: tuple[Combine, ...],
+    static_split: bool,
+    report: str,
+) -> Callable[[tuple[Array, ...], Array | None], Any]:
+    """Per-slice norms with a ``vmap`` rule: the batch axis is one more kept axis."""
+    args = (p, axes, bucketed, combines, static_split, report)
+
+    def batched(size: int, units: tuple[Array, ...], floor: Array | None) -> Any:
+        shifted = tuple(
+            tuple(range(1, u.ndim)) if a is None else tuple(d + 1 for d in a)
+            for u, a in zip(units, axes)
+        )
+        return unit_norms_body(
+            units, floor, p, shifted, bucketed, combines, static_split, report, size
+        )
+
+    return batchable(lambda units, floor: unit_norms_body(units, floor, *args), batched)
+
+
+unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+
+
+@unit_norms.defjvp
+def _unit_norms_jvp(
+    p: float,
+    axes: tuple,
+    bucketed: tuple,
+    combines: tuple,
+    static_split: bool,
+    report: str,
+    primals: tuple,
+    tangents: tuple,
+) -> tuple[Any, Any]:
+    (units, floor), (dunits, _) = primals, tangents
+    out = unit_norms(units, floor, p, axes, bucketed, combines, static_split, report)
+
+    def tangents_of(norms: list[Norm]) -> list[Norm]:
+        # Each list from its own norms, so that an unused list's pass is still dropped;
+        # a floored 0 has tangent 0 (its slice is kept, whose tangent is dx).
+        return [
+            norm_tangent(n, psum(tangent(x, dx, n, p, a), c))
+            for x, dx, n, a, c in zip(units, dunits, norms, axes, combines)
+        ]
+
+    return out, (tangents_of(out) if floor is None else tuple(tangents_of(o) for o in out))

@@ -1,0 +1,120 @@
+"""Scalar maths once for many leaves: per-slice vectors stacked, computed, split back.
+
+The scalar maths of norms (roots, exponents, clipping factors) runs once over the
+concatenation of every unit's per-slice vector, not once per leaf, which keeps the
+number of kernels, and compile time, flat in the number of leaves.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxclip._norms.backend import opaque, pick
+from jaxclip._norms.devices import Shape, one_device, varying
+
+Array = jax.Array
+Groups = list[list[int]]
+
+
+def all_of(flags: Sequence[Array]) -> Array:
+    """The logical and of boolean arrays of one shape."""
+    return functools.reduce(jnp.logical_and, flags)
+
+
+def any_of(flags: Sequence[Array]) -> Array:
+    """The logical or of boolean arrays of one shape."""
+    return functools.reduce(jnp.logical_or, flags)
+
+
+def every(ok: Array) -> Array:
+    """Whether all of ``ok`` holds, as a scalar."""
+    return ok.reshape(()) if ok.size == 1 else jnp.all(ok)
+
+
+def groups_of(first: Sequence[Array]) -> Groups:
+    """Which arrays :func:`stacked` concatenates together: per dtype and per set of
+    varying mesh axes (inside ``shard_map``, a concatenation varies across all of its
+    parts'), and only where they are whole on each device (concatenating a sharded
+    vector would make XLA all-gather it)."""
+    groups: dict[tuple[np.dtype, frozenset[str], int], list[int]] = {}
+    for i, v in enumerate(first):
+        alone = -1 if v.size == 1 or one_device(v) else i
+        groups.setdefault((np.dtype(v.dtype), varying(v), alone), []).append(i)
+    return list(groups.values())
+
+
+def stack(groups: Groups, *lists: Sequence[Array]) -> list[list[Array]]:
+    """Per group, each list's arrays raveled and concatenated."""
+    return [
+        [
+            jnp.concatenate([jnp.ravel(arrays[i]) for i in members])
+            if len(members) > 1
+            else jnp.ravel(arrays[members[0]])
+            for arrays in lists
+        ]
+        for members in groups
+    ]
+
+
+def unstack(
+    results: Sequence[Any],
+    groups: Groups,
+    shapes: Sequence[Shape],
+    where: Sequence[tuple[int, int]] | None = None,
+    static: bool = False,
+    raw: bool = False,
+) -> list[Any]:
+    """Per array, its part of its group's result (a pytree of stacked vectors), sliced at
+    offsets XLA cannot see as constants (:func:`~jaxclip._norms.backend.opaque`;
+    constants with ``static``). With ``where`` (per leaf: its array, and its row of that
+    array or -1, see :func:`~jaxclip._norms.units.places`), per leaf instead: a row as a
+    scalar, at one opaque offset too. With ``raw``, a single value sliced out stays a
+    vector of one element (a consumer that broadcasts it needs no reshape)."""
+    where = where or [(i, -1) for i in range(len(shapes))]
+    group_of = {i: g for g, members in enumerate(groups) for i in members}
+    at: dict[int, int] = {}  # each array's offset in its group's vectors
+    for members in groups:
+        sizes = [math.prod(shapes[i]) for i in members]
+        at.update(zip(members, itertools.accumulate(sizes, initial=0)))
+    pieces = []  # per leaf: (group, offset, size, shape)
+    for u, r in where:
+        size = math.prod(shapes[u]) if r < 0 else 1
+        pieces.append((group_of[u], at[u] + max(r, 0), size, shapes[u] if r < 0 else ()))
+    flat = [jax.tree.flatten(r) for r in results]
+    sliced = [i for i, (g, _, _, _) in enumerate(pieces) if len(groups[g]) > 1 or where[i][1] >= 0]
+    like = flat[pieces[sliced[0]][0]][0][0] if sliced and not static else None
+    offsets = dict(zip(sliced, opaque([pieces[i][1] for i in sliced], like)))
+    out = []
+    for i, (g, _, size, shape) in enumerate(pieces):
+        vs, tree = flat[g]
+        if i in offsets:  # a slice of a single-device vector: lax.reshape traces faster
+            vs = [pick(v, offsets[i], size) for v in vs]
+            if not (raw and size == 1):
+                vs = [v if v.shape == shape else lax.reshape(v, shape) for v in vs]
+        else:
+            vs = [v if v.shape == shape else v.reshape(shape) for v in vs]
+        out.append(tree.unflatten(vs))
+    return out
+
+
+def stacked(
+    fn: Callable[..., Any],
+    *lists: Sequence[Array],
+    where: Sequence[tuple[int, int]] | None = None,
+    raw: bool = False,
+) -> list[Any]:
+    """``fn`` applied once to the concatenation of each list's arrays (raveled), the
+    results split back to each array's shape (or, with ``where``, per leaf, see
+    :func:`unstack`)."""
+    groups = groups_of(lists[0])
+    results = [fn(*flat) for flat in stack(groups, *lists)]
+    return unstack(results, groups, [v.shape for v in lists[0]], where, raw=raw)

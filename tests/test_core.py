@@ -1,0 +1,382 @@
+"""The numerics core's parts against float64 formulas, fast enough to run first.
+
+Each test sweeps one part of ``jaxclip._norms`` over the values where its constants and
+comparisons matter (the exact range's ends, the dtype's range, zeros, NaN, inf), with
+few compiles: one jitted program per norm type covers every layout. ``tests/mutation.py``
+runs this file first; a change to a constant or a comparison of the core fails here.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+
+import jaxclip
+from jaxclip import _norms
+from jaxclip._norms import arith, clip, rare
+
+F32 = np.finfo(np.float32)
+P_ALL = (2.0, 1.0, 3.0, 0.5, 1.5, math.inf, 100.0)
+
+
+def _rows() -> np.ndarray:
+    """Rows of 64 float32 values, one magnitude class each: where the plain sum of powers
+    is exact, overflows, underflows in part or in all, is zero, or mixes extremes."""
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.5, 2.0, (10, 64)).astype(np.float32)
+    scales = [1.0, 0.0, 1e-20, 1e-30, 1e30, 1.5e38, 1e-19, 3e-38, 1e15, 1e-3]
+    x = base * np.array(scales, np.float32)[:, None]
+    x[6, 0] = 1.2e-19  # the rest 1e-19 * U(0.5, 2): squares below float32's normal range
+    x[5, 1:] = 1.0  # one near 3e38, the rest 1: the sum of squares overflows
+    x[8, ::2] *= -1
+    return x
+
+
+ROWS = _rows()
+
+
+def _check(got: jax.Array | float, want: np.ndarray | float, rtol: float, what: str) -> None:
+    np.testing.assert_allclose(ref.f64(got), want, rtol=rtol, atol=0, err_msg=what)
+
+
+# ----------------------------------------------------------------------------------------
+# Exact arithmetic.
+
+
+def test_frexp_ldexp_pow2_are_exact():
+    v = np.array([0.0, 1.0, 0.75, 3.0, 1e-30, F32.tiny, 3e38, F32.max, 6e-39], np.float32)
+    f, e = arith.frexp(jnp.asarray(v))
+    wf, we = np.frexp(v.astype(np.float64))
+    sub = v < F32.tiny  # flushed subnormals (XLA:CPU) count as 0
+    np.testing.assert_array_equal(np.where(sub & (np.asarray(f) == 0), 0, wf), f)
+    np.testing.assert_array_equal(np.where(sub & (np.asarray(f) == 0), 0, we), e)
+    special = np.array([np.inf, np.nan], np.float32)
+    fs, es = arith.frexp(jnp.asarray(special))
+    np.testing.assert_array_equal(fs, special)
+    np.testing.assert_array_equal(es, [0, 0])
+    for k in (-126, -100, -1, 0, 1, 64, 127):
+        assert float(arith.pow2(jnp.float32(k), np.float32)) == 2.0**k, k
+    assert float(arith.pow2(jnp.float32(-200), np.float32)) == 2.0**-126  # clamped
+    assert float(arith.pow2(jnp.float32(300), np.float32)) == 2.0**127
+    for x, k in ((0.75, 250), (1.5, -260), (3.0, 100), (0.5, -149), (1.0, 0)):
+        want = np.float64(x) * 2.0**k
+        want = np.float32(want) if abs(want) <= F32.max else np.float32(np.inf)
+        got = arith.ldexp(jnp.float32(x), jnp.float32(k))
+        assert np.float32(got) == want or (want < F32.tiny and float(got) == 0.0), (x, k)
+        got = arith.ldexp(jnp.float32(x), jnp.float32(k), divide_last=True)
+        assert np.float32(got) == want or (want < F32.tiny and float(got) == 0.0), (x, k)
+
+
+def test_norm_value_and_from_root():
+    for frac, exp in ((0.75, 0.0), (0.75, 200.0), (0.6, -200.0), (1.5, 100.0), (0.0, 5.0)):
+        want = frac * 2.0**exp
+        want = want if want <= F32.max else math.inf
+        got = float(arith.Norm(jnp.float32(frac), jnp.float32(exp)).value)
+        assert got == pytest.approx(want, rel=1e-7, abs=0) or (want < F32.tiny and got < 1e-37)
+    g = F32.maxexp // 2
+    # (Below the normal range the value is flushed to 0 where the backend flushes.)
+    for r, e in ((1.5, 0), (1.5, 300), (0.0, 10), (3.0e38, 1)):
+        n = arith.from_root(jnp.float32(r), e)
+        frac, exp = float(n.frac), float(n.exp)
+        assert frac * 2.0**exp == pytest.approx(r * 2.0**e, rel=1e-7), (r, e)
+        value = r * 2.0**e
+        if value == 0 or F32.tiny <= value <= F32.max:
+            assert exp == 0, (r, e)
+        elif value > F32.max:
+            assert 2.0 ** (g - 1) <= frac < 2.0**g, (r, e)
+        else:
+            assert 2.0 ** (-g - 1) <= frac < 2.0**-g, (r, e)
+    assert float(arith.from_root(jnp.float32(np.inf), 0).value) == np.inf
+
+
+def test_exact_range_and_floor_bound():
+    lo = float(F32.tiny) * 2.0**64
+    assert arith.exact_lo(np.float32) == lo
+    s = np.array([lo, np.nextafter(np.float32(lo), 0), 1.0, F32.max, np.inf, np.nan], np.float32)
+    np.testing.assert_array_equal(
+        arith.in_exact_range(jnp.asarray(s), np.float32), [True, False, True, True, False, False]
+    )
+    for p in (2.0, 1.0, 0.5, 3.0):
+        assert arith.floor_bound(np.float32, p) == max((4 * lo) ** (1 / p), float(F32.tiny))
+    assert arith.floor_bound(np.float32, 200.0) == (4 * lo) ** (1 / 200)
+
+
+def test_powers_and_roots_match_float64():
+    a = np.array([0.0, 1e-30, 3e-8, 0.7, 1.0, 2.5, 1e5, 3e20, np.inf, np.nan], np.float32)
+    for p in (1.0, 2.0, 3.0, 0.5, 1.5, 0.3, 7.5, 100.0):
+        for split in (False, True):
+            got = ref.f64(arith.power(jnp.asarray(a), p, split))
+            with np.errstate(over="ignore", under="ignore"):
+                want = ref.f64(a) ** p
+            want = np.where(want > F32.max, np.inf, want)
+            fine = (want >= F32.tiny) | ~np.isfinite(want) | (want == 0)
+            # pow rounds p ln a first (split=False serves data near 1 only)
+            rtol = 3e-7 if split or p == int(p) or p == 0.5 else 2e-6
+            np.testing.assert_allclose(got[fine], want[fine], rtol=rtol, err_msg=f"{p} {split}")
+            assert np.all(got[~fine] <= 2 * F32.tiny), (p, split)
+    for c in (Fraction(1, 3), Fraction(2, 1), Fraction(10, 7)):
+        hi, mid, lo = arith.split_exact(c, np.float32)
+        assert abs(Fraction(hi) + Fraction(mid) + Fraction(lo) - c) < Fraction(1, 2**45)
+        assert Fraction(hi).denominator <= 2**12 * max(1, Fraction(hi).denominator >> 12)
+        assert math.frexp(hi)[0] * 2**12 == round(math.frexp(hi)[0] * 2**12)
+    s = np.array([0.0, 1e-37, 0.3, 1.0, 7.0, 3e38, np.inf, np.nan], np.float32)
+    for p in (1.0, 2.0, 3.0, 4.0, 0.5, 1.5, 100.0):
+        with np.errstate(over="ignore"):
+            want = ref.f64(s) ** (1 / p)
+        if p == int(p):  # root serves integer p (root_norm splits the others exactly)
+            np.testing.assert_allclose(ref.f64(arith.root(jnp.asarray(s), p)), want, rtol=4e-7)
+        n = arith.root_norm(jnp.asarray(s), p, 3.0)
+        got = ref.f64(n.frac) * 2.0 ** ref.f64(n.exp)
+        # (below the normal range flushed to 0 where the backend flushes)
+        np.testing.assert_allclose(got, want * 8.0, rtol=4e-7, atol=F32.tiny, err_msg=str(p))
+        n = arith.in_range_norm(jnp.asarray(s[1:6]), p)
+        got = ref.f64(n.frac) * 2.0 ** ref.f64(n.exp)
+        np.testing.assert_allclose(got, want[1:6], rtol=4e-7, atol=F32.tiny, err_msg=str(p))
+    m = jnp.asarray([0.0, 2.0, np.inf, np.nan], jnp.float32)
+    n = arith.special(m, arith.Norm(jnp.full(4, 5.0), jnp.ones(4)))
+    np.testing.assert_array_equal(n.frac, [0.0, 5.0, np.inf, np.nan])
+    np.testing.assert_array_equal(n.exp, [0.0, 1.0, 0.0, 0.0])
+    assert arith.acc_dtype(jnp.bfloat16) == np.float32
+    assert arith.acc_dtype(np.float64) == arith.acc_dtype(np.complex128) == np.float64
+
+
+def test_rare_shifts_make_every_term_exact():
+    info = F32
+    for s in (np.inf, 1e-45, 1e-38, 1e-30, 0.0):
+        e = float(rare.sum_shift(jnp.float32(s), False))
+        if s == np.inf:  # every element <= max: 2**40 shifted squares stay finite
+            assert e == (info.maxexp + rare.SQUARES_LOG2 + 2) // 2
+            assert (2.0**info.maxexp * 2.0**-e) ** 2 * 2.0**rare.SQUARES_LOG2 <= info.max
+        else:  # the largest possible element, sqrt(max(s, tiny)), lifted below the top
+            top = math.sqrt(max(s, float(info.tiny))) * 2.0**-e
+            assert 2.0 ** ((info.maxexp - rare.SQUARES_LOG2 - 3) / 2) <= top, s
+            assert top <= 2.0 ** ((info.maxexp - rare.SQUARES_LOG2 - 1) / 2), s
+    assert float(rare.sum_shift(jnp.float32(1.0), True)) == 0
+    e, mant = rare.max_shift(jnp.float32(3.0), 2.0)
+    assert float(e) == 2 and mant is None
+    e, mant = rare.max_shift(jnp.float32(3.0), 100.0)
+    assert float(e) == 2 and mant is not None and float(mant) == 0.75
+    f = rare.shift_factors(jnp.float32(200.0), None, np.float32, False)
+    assert float(f[0]) * float(f[1]) == 2.0**-200
+    (g,) = rare.shift_factors(jnp.float32(-60.0), None, np.float32, True)
+    assert float(g) == 2.0**60
+
+
+# ----------------------------------------------------------------------------------------
+# Norms: every layout of one array per norm type, in one program.
+
+
+@jax.jit
+def _all_norms(x: jax.Array, small: list[jax.Array], p: float) -> dict:
+    return {
+        "rows": _norms.slice_norms([x], p, ((1,),))[0].value,
+        "cols": _norms.slice_norms([x], p, ((0,),))[0].value,
+        "whole": _norms.slice_norms([x, *small], p, (None,) * (1 + len(small))),
+        "global": _norms.global_norm([x, *small], p),
+        "per_example": _norms.per_example_norm_parts([x], p).value,
+        "few_rows": _norms.per_example_norm_parts([x[:1], x[-8:]][1:], p).value,
+        "clipped": _norms.clip_slices([x], p, ((1,),), 1e-3)[1][0],
+    }
+
+
+_all_norms = jax.jit(_all_norms.__wrapped__, static_argnums=2)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("p", P_ALL)
+def test_every_layout_matches_float64(p):
+    x = ROWS
+    small = [np.float32(3.0) * np.ones(5, np.float32), np.zeros(3, np.float32)]
+    small.append((ROWS[4, :7] if p != 100.0 else ROWS[2, :7]).copy())
+    got = _all_norms(jnp.asarray(x), [jnp.asarray(s) for s in small], p)
+    rtol = 3e-6 if p < 1 else 2e-6
+    want_rows = ref.norm([x], p, (1,))[:, 0]
+    _check(got["rows"][:, 0], want_rows, rtol, f"rows p={p}")
+    _check(got["per_example"], want_rows, rtol, f"per-example p={p}")
+    _check(got["few_rows"], want_rows[-8:], rtol, f"per-example, few out of range p={p}")
+    _check(got["clipped"], want_rows, rtol, f"clip_slices' reported norms p={p}")
+    _check(got["cols"][0], ref.norm([x], p, (0,))[0], rtol, f"cols p={p}")
+    leaves = [x, *small]
+    whole = [n.value.reshape(()) for n in got["whole"]]
+    _check(np.array(whole), [ref.norm([v], p) for v in leaves], rtol, f"whole p={p}")
+    want = ref.norm(leaves, p)
+    _check(got["global"], min(want, np.inf) if want <= F32.max else np.inf, rtol, f"global {p}")
+
+
+def test_the_2_norm_below_the_trigger_is_exact():
+    """A 2-norm whose plain sum of squares lost its terms to underflow: one 1.2e-19 and
+    999 of 1e-20 is 3.38e-19; the plain sum alone gives 1.2e-19."""
+    x = np.full(1000, 1e-20, np.float32)
+    x[0] = 1.2e-19
+    want = ref.norm([x], 2.0)
+    assert want == pytest.approx(3.38e-19, rel=1e-3)
+    _check(jaxclip.global_norm({"w": x}), want, 1e-5, "global_norm")
+    _check(jaxclip.clip_tree_by_norm({"w": x}, 1.0)[1]["w"], want, 1e-5, "clip_tree_by_norm")
+    rows = np.stack([x, x * 1e10, x])
+    _check(
+        jaxclip.clip_tree_by_norm({"w": rows}, 1.0, axes=1)[1]["w"],
+        ref.norm([rows], 2.0, (1,))[:, 0],
+        1e-5,
+        "rows",
+    )
+    _check(
+        jaxclip.clip_tree_per_example({"w": rows}, 1.0)[1],
+        ref.norm([rows], 2.0, (1,))[:, 0],
+        1e-5,
+        "per example",
+    )
+    _check(jaxclip.clip_tree_by_global_norm([x], 1e-30)[1], want, 1e-5, "clip_tree_by_global_norm")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_leaves(dtype):
+    fi = jnp.finfo(dtype)
+    x = np.array([[1.0, 2.0, -3.0] * 40, [float(fi.max)] * 120, [float(fi.tiny)] * 120], np.float32)
+    x = np.asarray(jnp.asarray(x, dtype))
+    for p in (2.0, 1.0, 3.0, math.inf):
+        n = _norms.slice_norms([jnp.asarray(x)], p, ((1,),))[0]
+        rows = ref.f64(n.frac) * 2.0 ** ref.f64(n.exp)
+        _check(rows[:, 0], ref.norm([x], p, (1,))[:, 0], 2e-6, f"{dtype} p={p}")
+        n = _norms.global_norm_parts([jnp.asarray(x)], p)  # beyond float32 for bf16
+        _check(ref.f64(n.frac) * 2.0 ** ref.f64(n.exp), ref.norm([x], p), 2e-6, f"{dtype} {p}")
+
+
+def test_complex_leaves_beyond_float32():
+    z = np.array([2.5e38 + 2.5e38j, 1 + 1j, 3e-30j], np.complex64)
+    for p in (2.0, 3.0, 0.5, math.inf):
+        want = ref.norm([z], p)
+        got = _norms.global_norm_parts([jnp.asarray(z)], p)
+        _check(ref.f64(got.frac) * 2.0 ** ref.f64(got.exp), want, 2e-6, f"complex p={p}")
+
+
+def test_nonfinite_and_zero():
+    for p in P_ALL:
+        for bad, want in ((np.nan, np.nan), (np.inf, np.inf)):
+            x = jnp.asarray([1.0, bad, 2.0], jnp.float32)
+            got = float(_norms.global_norm([x], p))
+            assert (math.isnan(got) and math.isnan(want)) or got == want, (p, bad)
+            got = float(_norms.slice_norms([x], p, (None,))[0].value.reshape(()))
+            assert (math.isnan(got) and math.isnan(want)) or got == want, (p, bad)
+        assert float(_norms.global_norm([jnp.zeros(5)], p)) == 0.0
+        assert float(_norms.global_norm([], p)) == 0.0
+
+
+# ----------------------------------------------------------------------------------------
+# Clipping factors.
+
+
+def test_clip_factor_is_c_over_n_rounded_once():
+    x = np.array([1.0, -3.0, 1e-37, 7.0], np.float32)
+    for n, c in ((5.0, 1.0), (3.0, 3.0), (np.nextafter(np.float32(3.0), 4), 3.0), (1e30, 1e-30)):
+        out = clip.clip_joint([jnp.asarray(x)], jnp.float32(n), c)[0]
+        if n <= c:
+            np.testing.assert_array_equal(out, x)  # kept, bit for bit
+        else:
+            want = ref.f64(x) * (np.float64(np.float32(c)) / np.float64(np.float32(n)))
+            np.testing.assert_allclose(ref.f64(out), want, rtol=1.2e-7, atol=1e-45)
+    huge = arith.Norm(jnp.float32(0.75), jnp.float32(200.0))  # 0.75 * 2**200
+    out = clip.clip_joint([jnp.asarray(x)], huge, 1e30)[0]
+    want = ref.f64(x) * 1e30 / (0.75 * 2.0**200)
+    np.testing.assert_allclose(
+        ref.f64(out), np.where(np.abs(want) < 4 * F32.tiny, 0, want), rtol=2e-7, atol=1e-44
+    )
+    for n, c, want in (
+        (np.inf, 1.0, 0.0),
+        (np.nan, 1.0, np.nan),
+        (5.0, 0.0, 0.0),
+        (5.0, -1.0, 0.0),
+    ):
+        out = clip.clip_joint([jnp.asarray(x)], jnp.float32(n), c)[0]
+        np.testing.assert_array_equal(out, ref.f64(x) * want if not np.isnan(want) else np.nan)
+    f = clip.clip_factor(jnp.float32(4.0), 1.0)
+    assert not bool(f.keep) and float(f.f0) * float(f.f1) == 0.25
+    assert bool(clip.clip_factor(jnp.float32(1.0), 1.0).keep)
+    assert bool(clip.clip_factor(jnp.float32(0.0), 0.0).keep)
+
+
+def test_clip_each_per_slice_and_per_array():
+    x = jnp.asarray(ROWS[:4, :8])
+    norms = _norms.slice_norms([x, x], 2.0, ((1,), (0,)))
+    out = clip.clip_each([x, x], norms, [1.0, jnp.full((1, 8), 2.0)])
+    np.testing.assert_allclose(
+        ref.f64(out[0]), ref.clip_each(ROWS[:4, :8], 1.0, 2.0, (1,)), rtol=2e-7
+    )
+    np.testing.assert_allclose(
+        ref.f64(out[1]), ref.clip_each(ROWS[:4, :8], 2.0, 2.0, (0,)), rtol=2e-7
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Floors: small slices need no exact norm for clipping.
+
+
+def test_floored_factors_and_reported_norms():
+    x = jnp.asarray(ROWS)
+    exact = ref.norm([ROWS], 2.0, (1,))[:, 0]
+    for c in (1.0, 1e-25, 1e-36):
+        for report in ("exact", "largest"):
+            out, norms = _norms.clip_slices([x], 2.0, ((1,),), c, report=report)
+            want = ref.clip_each(ROWS, c, 2.0, (1,))
+            # (outputs below float32's normal range are flushed to 0 on XLA:CPU)
+            np.testing.assert_allclose(
+                ref.f64(out[0]), want, rtol=3e-7, atol=F32.tiny, err_msg=f"{c}"
+            )
+            if report == "exact":
+                _check(norms[0], exact, 2e-6, f"reported c={c}")
+            else:
+                assert float(jnp.max(norms[0])) == pytest.approx(exact.max(), rel=2e-6)
+    # A leaf whose every slice is small: its largest norm is still exact.
+    tiny = jnp.asarray(ROWS[2:4])
+    _, norms = _norms.clip_slices([tiny], 2.0, ((1,),), 1.0, report="largest")
+    assert float(jnp.max(norms[0])) == pytest.approx(
+        ref.norm([ROWS[2:4]], 2.0, (1,)).max(), rel=2e-6
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Derivatives and batching.
+
+
+def test_derivatives_match_the_formula():
+    for scale in (1.0, 1e-30, 1e30):
+        x = np.array([3.0, -4.0, 0.0, 12.0], np.float32) * np.float32(scale)
+        for p in (2.0, 3.0, 1.0, math.inf):
+            g = jax.grad(lambda v, p=p, k=scale: _norms.global_norm([v], p) / k)(jnp.asarray(x))
+            a = ref.f64(x)
+            n = ref.norm([x], p)
+            if p == math.inf:
+                want = np.where(np.abs(a) == n, np.sign(a), 0.0)
+            else:
+                want = np.sign(a) * (np.abs(a) / n) ** (p - 1)
+            np.testing.assert_allclose(
+                ref.f64(g) * scale,
+                want * scale / scale,
+                rtol=2e-6,
+                atol=1e-7,
+                err_msg=f"{p} {scale}",
+            )
+    # d/dx of x * c / n at n > c: c/n (I - u u^T) for the 2-norm, u = x / n.
+    x = np.array([3.0, 4.0], np.float32)
+    jac = jax.jacobian(lambda v: clip.clip_joint([v], _norms.global_norm_parts([v], 2.0), 1.0)[0])(
+        jnp.asarray(x)
+    )
+    u = ref.f64(x) / 5.0
+    np.testing.assert_allclose(
+        ref.f64(jac), (np.eye(2) - np.outer(u, u)) / 5.0, rtol=2e-6, atol=1e-7
+    )
+    dc = jax.grad(lambda c: clip.clip_joint([jnp.asarray(x)], jnp.float32(5.0), c)[0].sum())(1.0)
+    assert float(dc) == pytest.approx(7.0 / 5.0, rel=1e-6)
+
+
+def test_vmap_matches_each_example():
+    x = jnp.asarray(ROWS)
+    for p in (2.0, 3.0):
+        got = jax.vmap(lambda r, p=p: _norms.global_norm([r], p))(x)
+        _check(got, ref.norm([ROWS], p, (1,))[:, 0], 3e-6, f"vmap global p={p}")
+        got = jax.vmap(lambda r, p=p: _norms.slice_norms([r], p, (None,))[0].value)(x)
+        _check(got.reshape(-1), ref.norm([ROWS], p, (1,))[:, 0], 3e-6, f"vmap slices p={p}")
