@@ -38,7 +38,7 @@ autodoc_default_options = {"show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
-exclude_patterns = ["_build", "build.sh", "README.md"]
+exclude_patterns = ["_build", "_generated", "build.sh", "README.md"]
 html_theme = "sphinx_book_theme"
 html_title = f"jaxclip {release}"
 html_theme_options = {"show_toc_level": 2}
@@ -55,3 +55,9 @@ def _copy_notebooks() -> None:
 
 
 _copy_notebooks()
+
+# The performance guide's tables, from the benchmarks' JSON (docs/_generated/, ignored by git).
+sys.path.insert(0, str(HERE))
+import perf_tables  # noqa: E402
+
+perf_tables.write()

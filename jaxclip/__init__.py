@@ -37,3 +37,38 @@ from jaxclip.per_example import clip_per_example as clip_per_example
 from jaxclip.per_example import clip_tree_per_example as clip_tree_per_example
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "AutoClipState",
+    "ClipByGlobalNormState",
+    "ClipByNormState",
+    "ClipPerExampleState",
+    "HistoryClipState",
+    "NonFiniteNormError",
+    "Selector",
+    "SkipLargeUpdatesState",
+    "ZClipState",
+    "adaptive_clip",
+    "auto_clip",
+    "by_name",
+    "by_path",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "clip_per_example",
+    "clip_stats",
+    "clip_tree_adaptive",
+    "clip_tree_by_global_norm",
+    "clip_tree_by_norm",
+    "clip_tree_by_value",
+    "clip_tree_per_example",
+    "exclude_biases_and_norms",
+    "exclude_names",
+    "exclude_paths",
+    "global_norm",
+    "min_rank",
+    "quantile_clip",
+    "skip_large_updates",
+    "standard_clip",
+    "zclip",
+]

@@ -258,12 +258,12 @@ def check_alpha(alpha: Any, fn: str) -> None:
         )
 
 
-def check_percentile(percentile: Any, fn: str) -> None:
+def check_percentile(percentile: Any, fn: str, name: str = "percentile") -> None:
     """AutoClip's ``percentile`` of the past norms."""
-    v = real(percentile, "percentile", fn, "a real number in (0, 100], e.g. 10.0")
+    v = real(percentile, name, fn, "a real number in (0, 100], e.g. 10.0")
     if v is not None and not 0 < v <= 100:
         raise ValueError(
-            f"jaxclip.{fn}: percentile={percentile!r} must be in (0, 100] (the percentile of the "
+            f"jaxclip.{fn}: {name}={percentile!r} must be in (0, 100] (the percentile of the "
             "past global norms used as the threshold; the paper uses 10, 100 clips to the "
             "largest norm seen)."
         )
@@ -500,3 +500,108 @@ def check_cap(value: Any, name: str, fn: str) -> None:
             f"jaxclip.{fn}: {name}={value!r} must be > 0 (a fixed cap on the global norm of "
             f"every step); for no cap, pass {name}=None."
         )
+
+
+# ----------------------------------------------------------------------------------------
+# Flags, need_clip, seeds and buffer sizes, checked where they are given.
+
+
+def check_flag(value: Any, name: str, fn: str) -> bool:
+    """An on/off option: a Python (or NumPy) bool, or a concrete boolean scalar array (what
+    ``optax.inject_hyperparams`` makes of a bool outside ``jit``)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    v = None if isinstance(value, (str, bytes)) or value is None else concrete(value)
+    if v is not None and v.shape == () and v.dtype == np.bool_:
+        return bool(v)
+    if _is_traced(value):
+        raise ValueError(
+            f"jaxclip.{fn}: {name} is traced; it must be a Python bool (it decides the "
+            f"computation). {static_hint(name, fn)}."
+        )
+    raise HyperparameterTypeError(
+        f"jaxclip.{fn}: {name}={_show(value)} is a {type(value).__name__}, not a bool; pass "
+        f"{name}=True or {name}=False."
+    )
+
+
+def check_need_clip(need_clip: Any, fn: str) -> None:
+    """``need_clip``: None, a function ``(path, leaf) -> bool`` (or a Selector), or a pytree
+    of bools. Whether a tree fits the gradients is checked where they meet (``select``)."""
+    if need_clip is None or _tree.is_selector_function(need_clip):
+        return
+    for path, m in jax.tree_util.tree_flatten_with_path(need_clip)[0]:
+        if not _tree._is_bool(m):
+            where = f" at {_tree.shown(_tree.path_str(path))}" if path else ""
+            raise HyperparameterTypeError(
+                f"jaxclip.{fn}: need_clip{where} is {_show(m)} of type {type(m).__name__}; pass "
+                "None (every float leaf), a pytree of bools (True to clip a leaf or subtree), "
+                "or a function need_clip(path, leaf) -> bool, e.g. jaxclip.exclude_names('bias')."
+            )
+
+
+def check_seed(seed: Any, fn: str) -> None:
+    """A PRNG seed: an int in int64's or uint64's range (traced is fine: its dtype is known),
+    or a ``jax.random`` key (a typed key, or a raw ``uint32[2]`` one)."""
+    hint = (
+        "pass an int, e.g. seed=0, or a jax.random key, e.g. seed=jax.random.key(0) "
+        "(a fresh one per run: seed=int(time.time_ns()) % 2**63 if you want it random)"
+    )
+    if isinstance(seed, (bool, np.bool_)) or seed is None or isinstance(seed, (str, bytes)):
+        raise HyperparameterTypeError(
+            f"jaxclip.{fn}: seed={_show(seed)} is a {type(seed).__name__}; {hint}."
+        )
+    if isinstance(seed, int):
+        if not -(2**63) <= seed < 2**63:
+            raise HyperparameterTypeError(
+                f"jaxclip.{fn}: seed={seed} is beyond int64's range, which a JAX PRNG seed "
+                f"cannot hold; {hint}, e.g. seed={seed % 2**63}."
+            )
+        return
+    dtype = getattr(seed, "dtype", None)
+    shape = np.shape(seed) if dtype is not None else None
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
+        return
+    if dtype is not None and np.dtype(dtype) == np.uint32 and shape == (2,):
+        return  # a raw key, jax.random.PRNGKey(0)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.integer) and shape == ():
+        return
+    raise HyperparameterTypeError(
+        f"jaxclip.{fn}: seed={_show(seed)} is a {type(seed).__name__}"
+        f"{'' if dtype is None else f' of dtype {dtype} and shape {shape}'}; {hint}."
+    )
+
+
+#: The largest buffer size (``window``, ``history_length``, ``batch_size``...): beyond it a
+#: state could not be allocated, and JAX's own error would not say which argument it was.
+MAX_SIZE = 2**31 - 1
+
+
+def static_size(value: Any, name: str, fn: str) -> int:
+    """:func:`static_int`, at most :data:`MAX_SIZE`."""
+    n = static_int(value, name, fn)
+    if n > MAX_SIZE:
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={n} is too large (it sizes the state, one float32 per "
+            f"entry); pass an int from 1 to 2**31 - 1."
+        )
+    return n
+
+
+def check_finite_nonneg(value: Any, name: str, fn: str, meaning: str) -> None:
+    """A real scalar, finite and >= 0 (``meaning`` says what it does, for the message)."""
+    v = real(value, name, fn, "a finite real number >= 0")
+    if v is not None and not (v >= 0 and np.isfinite(v)):  # also catches NaN
+        raise ValueError(f"jaxclip.{fn}: {name}={value!r} must be >= 0 and finite ({meaning}).")
+
+
+def check_axes_range(axes: Any, fn: str) -> tuple[int, ...] | None:
+    """:func:`check_axes`, and every axis small enough to index some array's shape (whether
+    it fits each leaf is checked on the leaf, by :func:`leaf_axes`)."""
+    out = check_axes(axes, fn)
+    if out is not None and any(not -64 <= a < 64 for a in out):
+        raise ValueError(
+            f"jaxclip.{fn}: axes={axes!r} is out of range for any array (at most 64 "
+            "dimensions); pass the axes of each slice, e.g. axes=1 or axes=-1."
+        )
+    return out

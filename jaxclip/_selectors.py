@@ -13,15 +13,25 @@ through untouched. Call :meth:`Selector.matches` to evaluate one by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 #: Parameter names Flax gives biases and normalisation offsets/scales.
 BIAS_AND_NORM_NAMES = ("bias", "scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pattern:
+    """One name or path pattern of a helper, which must match some leaf of the tree."""
+
+    shown: str  # as the user wrote it, e.g. "'bias'" or "re.compile('l[0-9]/w')"
+    helper: str  # the helper it was given to, e.g. "exclude_names"
+    test: Callable[[str], bool]  # path -> whether the pattern matches it
 
 
 class Selector:
@@ -32,6 +42,14 @@ class Selector:
     ``optax.inject_hyperparams`` without ``static_args`` (it is not callable, so optax
     does not take it for a schedule). Wrap your own function to get the same:
     ``jaxclip.Selector(lambda path, leaf: "decoder" in path)``.
+
+    A name or path pattern of :func:`by_name`, :func:`exclude_names`, :func:`by_path` or
+    :func:`exclude_paths` (also inside a combination) that matches no leaf of the tree is a
+    ``ValueError`` naming the pattern and some of the tree's paths, since a misspelt
+    ``exclude_names("biases")`` would otherwise clip everything without a word; pass
+    ``allow_unmatched=True`` to that helper where a pattern may match nothing by design
+    (one rule for several models). A rule that selects no leaf is fine otherwise: it clips
+    nothing, as Paddle does when no parameter has ``need_clip``.
 
     Args:
       fn: a function ``fn(path: str, leaf) -> bool`` (or ``-> label`` for ``group``);
@@ -47,10 +65,23 @@ class Selector:
       (True, False)
     """
 
-    __slots__ = ("description", "fn")
+    __slots__ = ("description", "fn", "patterns")
 
-    def __init__(self, fn: Callable[[str, Any], Any], description: str | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[[str, Any], Any],
+        description: str | None = None,
+        *,
+        _patterns: Sequence[_Pattern] = (),
+    ) -> None:
+        if description is not None and not isinstance(description, str):
+            raise TypeError(
+                f"jaxclip.Selector: description={description!r} is a "
+                f"{type(description).__name__}; pass a str (how the rule reads), or None."
+            )
+        patterns = tuple(_patterns)
         if isinstance(fn, Selector):
+            patterns = patterns or fn.patterns
             fn, description = fn.fn, description or fn.description
         if not callable(fn):
             raise TypeError(
@@ -59,6 +90,8 @@ class Selector:
             )
         self.fn = fn
         self.description = description or getattr(fn, "__name__", repr(fn))
+        #: The name and path patterns that must each match some leaf (see the class doc).
+        self.patterns: tuple[_Pattern, ...] = patterns
 
     def matches(self, path: str, leaf: Any) -> Any:
         """The rule's value for the leaf at ``path``: a bool (a label for ``group``)."""
@@ -69,6 +102,7 @@ class Selector:
         return Selector(
             lambda path, leaf: _bool(self, path, leaf) and _bool(b, path, leaf),
             f"{_wrap(self, '&')} & {_wrap(b, '&')}",
+            _patterns=self.patterns + b.patterns,
         )
 
     def __or__(self, other: Selector | Callable[[str, Any], bool]) -> Selector:
@@ -76,16 +110,40 @@ class Selector:
         return Selector(
             lambda path, leaf: _bool(self, path, leaf) or _bool(b, path, leaf),
             f"{_wrap(self, '|')} | {_wrap(b, '|')}",
+            _patterns=self.patterns + b.patterns,
         )
 
     __rand__ = __and__
     __ror__ = __or__
 
     def __invert__(self) -> Selector:
-        return Selector(lambda path, leaf: not _bool(self, path, leaf), f"~{_wrap(self, '~')}")
+        return Selector(
+            lambda path, leaf: not _bool(self, path, leaf),
+            f"~{_wrap(self, '~')}",
+            _patterns=self.patterns,
+        )
 
     def __repr__(self) -> str:
         return self.description
+
+
+def check_unmatched(rule: Selector, paths: Sequence[str]) -> None:
+    """A ValueError for the first name or path pattern of ``rule`` that matches none of
+    ``paths`` (the tree's leaves); a tree without leaves has nothing to check."""
+    if not paths:
+        return
+    for pattern in rule.patterns:
+        if any(pattern.test(p) for p in paths):
+            continue
+        what = "name" if "name" in pattern.helper else "path pattern"
+        shown = ", ".join(repr(p) for p in paths[:6]) + (", ..." if len(paths) > 6 else "")
+        raise ValueError(
+            f"jaxclip: need_clip={rule!r}: the {what} {pattern.shown} of "
+            f"{pattern.helper}(...) matches no leaf of the tree, so it selects or excludes "
+            f"nothing (the tree's {len(paths)} leaf paths: {shown}). Check its spelling "
+            f"against these paths; where it may match nothing by design (one rule for several "
+            f"models), pass {pattern.helper}(..., allow_unmatched=True)."
+        )
 
 
 def _as_selector(rule: Any) -> Selector:
@@ -129,20 +187,52 @@ def _check_strings(values: tuple[Any, ...], fn: str, *, patterns: bool = False) 
     allowed = (str, re.Pattern) if patterns else (str,)
     for v in values:
         if not isinstance(v, allowed):
+            example = f'{fn}("encoder/*")' if patterns else f'{fn}("bias")'
             raise TypeError(
-                f"jaxclip.{fn}: {v!r} of type {type(v).__name__} is not a parameter {what}."
-                if not patterns
-                else f"jaxclip.{fn}: {v!r} of type {type(v).__name__} is not a {what}."
+                f"jaxclip.{fn}: {v!r} of type {type(v).__name__} is not a "
+                f"{'' if patterns else 'parameter '}{what}; pass names as strings, e.g. "
+                f"{example}."
             )
 
 
-def by_name(*names: str) -> Selector:
+def _check_allow(allow_unmatched: Any, fn: str) -> bool:
+    if not isinstance(allow_unmatched, (bool, np.bool_)):
+        raise TypeError(
+            f"jaxclip.{fn}: allow_unmatched={allow_unmatched!r} is a "
+            f"{type(allow_unmatched).__name__}; pass allow_unmatched=True or False."
+        )
+    return bool(allow_unmatched)
+
+
+def _shown(allow: bool) -> str:
+    return ", allow_unmatched=True" if allow else ""
+
+
+def _by_name(names: tuple[Any, ...], fn: str, allow_unmatched: Any) -> Selector:
+    _check_strings(names, fn)
+    allow = _check_allow(allow_unmatched, fn)
+    wanted = frozenset(names)
+    patterns = (
+        ()
+        if allow
+        else tuple(_Pattern(repr(n), fn, lambda path, n=n: _name(path) == n) for n in names)
+    )
+    return Selector(
+        lambda path, leaf: _name(path) in wanted,
+        f"by_name({', '.join(map(repr, names))}{_shown(allow)})",
+        _patterns=patterns,
+    )
+
+
+def by_name(*names: str, allow_unmatched: bool = False) -> Selector:
     """Selects the leaves whose parameter name (the last part of the path) is one of ``names``.
 
     Args:
       *names: parameter names, e.g. ``"bias"``, ``"scale"``, ``"embedding"``. Flax
         (linen and NNX) names them ``kernel``, ``bias``, ``scale``, ``embedding``;
         Equinox ``weight`` and ``bias``; Haiku ``w``, ``b``, ``scale``, ``offset``.
+      allow_unmatched: allow a name that no leaf of the tree has; by default that is a
+        ``ValueError`` naming it (a misspelt name would select nothing without a word).
 
     Returns:
       A :class:`Selector`: True for ``.../bias`` when ``"bias"`` is given.
@@ -153,14 +243,10 @@ def by_name(*names: str) -> Selector:
       >>> jaxclip.global_norm(grads, need_clip=~jaxclip.by_name("bias"))  # the kernel only
       Array(4., dtype=float32)
     """
-    _check_strings(names, "by_name")
-    wanted = frozenset(names)
-    return Selector(
-        lambda path, leaf: _name(path) in wanted, f"by_name({', '.join(map(repr, names))})"
-    )
+    return _by_name(names, "by_name", allow_unmatched)
 
 
-def exclude_names(*names: str) -> Selector:
+def exclude_names(*names: str, allow_unmatched: bool = False) -> Selector:
     """Selects every leaf except those whose parameter name is one of ``names``.
 
     The same as ``~by_name(*names)``: the counterpart of Paddle's
@@ -168,6 +254,9 @@ def exclude_names(*names: str) -> Selector:
 
     Args:
       *names: parameter names to leave out, e.g. ``"bias"``.
+      allow_unmatched: allow a name that no leaf of the tree has; by default that is a
+        ``ValueError`` naming it: ``exclude_names("biases")`` on a model whose biases are
+        ``bias`` would otherwise clip the biases too.
 
     Returns:
       A :class:`Selector`.
@@ -178,11 +267,32 @@ def exclude_names(*names: str) -> Selector:
       >>> jaxclip.global_norm(grads, need_clip=jaxclip.exclude_names("bias"))
       Array(4., dtype=float32)
     """
-    _check_strings(names, "exclude_names")
-    return ~by_name(*names)
+    return ~_by_name(names, "exclude_names", allow_unmatched)
 
 
-def by_path(*patterns: str | re.Pattern[str]) -> Selector:
+def _by_path(patterns: tuple[Any, ...], fn: str, allow_unmatched: Any) -> Selector:
+    _check_strings(patterns, fn, patterns=True)
+    allow = _check_allow(allow_unmatched, fn)
+    compiled = [
+        p if isinstance(p, re.Pattern) else re.compile(fnmatch.translate(p)) for p in patterns
+    ]
+    shown = [repr(p) if isinstance(p, str) else f"re.compile({p.pattern!r})" for p in patterns]
+    found = (
+        ()
+        if allow
+        else tuple(
+            _Pattern(s, fn, lambda path, c=c: c.fullmatch(path) is not None)
+            for s, c in zip(shown, compiled)
+        )
+    )
+    return Selector(
+        lambda path, leaf: any(c.fullmatch(path) for c in compiled),
+        f"by_path({', '.join(shown)}{_shown(allow)})",
+        _patterns=found,
+    )
+
+
+def by_path(*patterns: str | re.Pattern[str], allow_unmatched: bool = False) -> Selector:
     """Selects the leaves whose ``/``-joined path matches one of ``patterns``.
 
     Args:
@@ -190,6 +300,8 @@ def by_path(*patterns: str | re.Pattern[str]) -> Selector:
         also crosses ``/``, so ``"encoder/*"`` is everything under ``encoder`` and
         ``"*/bias"`` every bias but a top-level one), or compiled regular expressions
         (``re.compile(...)``), which must match the whole path (``fullmatch``).
+      allow_unmatched: allow a pattern that matches no leaf of the tree; by default that is
+        a ``ValueError`` naming it and some of the tree's paths.
 
     Returns:
       A :class:`Selector`.
@@ -202,25 +314,19 @@ def by_path(*patterns: str | re.Pattern[str]) -> Selector:
       >>> rule.matches("layers/3/weight", None)
       False
     """
-    _check_strings(patterns, "by_path", patterns=True)
-    compiled = [
-        p if isinstance(p, re.Pattern) else re.compile(fnmatch.translate(p)) for p in patterns
-    ]
-    shown = ", ".join(
-        repr(p) if isinstance(p, str) else f"re.compile({p.pattern!r})" for p in patterns
-    )
-    return Selector(
-        lambda path, leaf: any(c.fullmatch(path) for c in compiled), f"by_path({shown})"
-    )
+    return _by_path(patterns, "by_path", allow_unmatched)
 
 
-def exclude_paths(*patterns: str | re.Pattern[str]) -> Selector:
+def exclude_paths(*patterns: str | re.Pattern[str], allow_unmatched: bool = False) -> Selector:
     """Selects every leaf except those whose path matches one of ``patterns``.
 
     The same as ``~by_path(*patterns)`` (see :func:`by_path` for the patterns).
 
     Args:
       *patterns: globs or compiled regular expressions matched against the whole path.
+      allow_unmatched: allow a pattern that matches no leaf of the tree; by default that is
+        a ``ValueError`` naming it (``exclude_paths("l2/*")`` on a model without ``l2``
+        would otherwise clip everything).
 
     Returns:
       A :class:`Selector`.
@@ -231,8 +337,7 @@ def exclude_paths(*patterns: str | re.Pattern[str]) -> Selector:
       >>> jaxclip.global_norm(grads, need_clip=jaxclip.exclude_paths("emb/*"))
       Array(2., dtype=float32)
     """
-    _check_strings(patterns, "exclude_paths", patterns=True)
-    return ~by_path(*patterns)
+    return ~_by_path(patterns, "exclude_paths", allow_unmatched)
 
 
 def min_rank(rank: int = 2) -> Selector:
@@ -270,7 +375,9 @@ def exclude_biases_and_norms() -> Selector:
     ones of attention heads, and its LayerNorm/BatchNorm/RMSNorm parameters) or when it
     has fewer than two dimensions (every bias and normalisation weight in Equinox and
     Haiku, e.g. Equinox's ``LayerNorm.weight``). Kernels, convolution filters and
-    embeddings stay. The same as ``exclude_names("bias", "scale") & min_rank(2)``.
+    embeddings stay. The same as
+    ``exclude_names("bias", "scale", allow_unmatched=True) & min_rank(2)``: a model without
+    either name is fine.
 
     Returns:
       A :class:`Selector`.
@@ -282,6 +389,6 @@ def exclude_biases_and_norms() -> Selector:
       >>> jaxclip.global_norm(grads, need_clip=jaxclip.exclude_biases_and_norms())
       Array(4., dtype=float32)
     """
-    rule = exclude_names(*BIAS_AND_NORM_NAMES) & min_rank(2)
+    rule = exclude_names(*BIAS_AND_NORM_NAMES, allow_unmatched=True) & min_rank(2)
     rule.description = "exclude_biases_and_norms()"
     return rule

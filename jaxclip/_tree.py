@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from jax import tree_util as jtu
 
-from jaxclip._selectors import Selector
+from jaxclip._selectors import Selector, check_unmatched
 
 PyTree = Any
 NeedClip = None | bool | PyTree | Callable[[str, Any], bool] | Selector
@@ -175,7 +175,8 @@ def _mask_entries(mask: PyTree, tree: PyTree, gpaths: list[tuple[Any, ...]]) -> 
             raise TypeError(
                 f"jaxclip: need_clip at {shown(path_str(mpath))} is {m!r} of type "
                 f"{type(m).__name__}; a need_clip tree holds Python bools (one per leaf, or one "
-                "for a whole subtree)."
+                "for a whole subtree). Pass True or False there, or a function "
+                "need_clip(path, leaf) -> bool such as jaxclip.exclude_names('bias')."
             )
     try:
         return [bool(m) for m in jax.tree.leaves(jax.tree.broadcast(mask, tree))]
@@ -374,6 +375,8 @@ def select(
                     f"{type(w).__name__}; it must return a Python bool (True to clip the leaf)."
                 )
             wanted.append(bool(w))
+        if isinstance(need_clip, Selector):
+            check_unmatched(need_clip, paths)
     else:
         wanted = _mask_entries(need_clip, tree, gpaths)
 

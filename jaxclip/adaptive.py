@@ -90,7 +90,8 @@ def adaptive_clip(
     """
     _checks.check_clipping(clipping, "adaptive_clip")
     _checks.check_eps(eps, "adaptive_clip")
-    _checks.check_axes(axes, "adaptive_clip")
+    _checks.check_axes_range(axes, "adaptive_clip")
+    _checks.check_need_clip(need_clip, "adaptive_clip")
 
     def clip(updates: PyTree, params: PyTree | None = None) -> PyTree:
         if params is None:
@@ -273,8 +274,13 @@ def auto_clip(
     """
     percentile = _alias(percentile, 10.0, "percentile", clip_percentile, "clip_percentile")
     window = _alias(window, _WINDOW, "window", history_size, "history_size")
-    _checks.check_percentile(percentile, "auto_clip")
-    window = _checks.static_int(window, "window", "auto_clip")
+    _checks.check_percentile(
+        percentile, "auto_clip", "percentile" if clip_percentile is None else "clip_percentile"
+    )
+    window = _checks.static_size(
+        window, "window" if history_size is None else "history_size", "auto_clip"
+    )
+    _checks.check_need_clip(need_clip, "auto_clip")
 
     def init_fn(params: PyTree) -> AutoClipState:
         del params
@@ -456,7 +462,9 @@ def quantile_clip(
       (HesitantlyHuman/autoclip ``autoclip/torch/quantile.py``, commit 34badefb)
     """
     _checks.check_quantile(quantile, "quantile_clip")
-    n = _checks.static_int(history_length, "history_length", "quantile_clip")
+    n = _checks.static_size(history_length, "history_length", "quantile_clip")
+    global_threshold = _checks.check_flag(global_threshold, "global_threshold", "quantile_clip")
+    _checks.check_need_clip(need_clip, "quantile_clip")
     return _history_clip(_quantile, quantile, n, global_threshold, need_clip)
 
 
@@ -503,7 +511,9 @@ def standard_clip(
       commit 34badefb)
     """
     _checks.check_deviations(deviations, "standard_clip")
-    n = _checks.static_int(history_length, "history_length", "standard_clip")
+    n = _checks.static_size(history_length, "history_length", "standard_clip")
+    global_threshold = _checks.check_flag(global_threshold, "global_threshold", "standard_clip")
+    _checks.check_need_clip(need_clip, "standard_clip")
     return _history_clip(_std_threshold, deviations, n, global_threshold, need_clip)
 
 
@@ -631,7 +641,9 @@ def zclip(
     _checks.check_alpha(alpha, "zclip")
     _checks.check_z_thresh(z_thresh, "zclip")
     _checks.check_zclip_eps(eps, "zclip")
-    warmup_steps = _checks.static_int(warmup_steps, "warmup_steps", "zclip")
+    warmup_steps = _checks.static_size(warmup_steps, "warmup_steps", "zclip")
+    skip_update_on_spike = _checks.check_flag(skip_update_on_spike, "skip_update_on_spike", "zclip")
+    _checks.check_need_clip(need_clip, "zclip")
     mode = _checks.check_choice(mode, "mode", ("zscore", "percentile"), "zclip")
     clip_option = _checks.check_choice(
         clip_option, "clip_option", ("adaptive_scaling", "mean"), "zclip"
@@ -776,6 +788,7 @@ def skip_large_updates(
             f"(it has no init and update).{hint} E.g. skip_large_updates(optax.adam(1e-3), 10.0)."
         )
     _checks.check_threshold(threshold, "skip_large_updates")
+    _checks.check_need_clip(need_clip, "skip_large_updates")
     p = _checks.check_norm_type(norm_type)
     if max_consecutive_errors is not None:
         _checks.check_count(max_consecutive_errors, "max_consecutive_errors", "skip_large_updates")

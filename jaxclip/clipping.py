@@ -44,6 +44,16 @@ class ClipByNormState(NamedTuple):
         Exact at any magnitude: a leaf whose every slice is all zeros or tiny (a frozen
         leaf) is read once more to tell 0 from underflow; zero slices beside a larger
         one (unused embedding rows) are not.
+
+    Each slice's own norm (with ``axes=``) is not kept here: it would make the state as
+    large as the slices. :func:`clip_tree_by_norm` returns it as its second output, an
+    array of the slices' shape per leaf (``tf.clip_by_norm``'s kept dimensions):
+
+    >>> import jax.numpy as jnp, jaxclip
+    >>> g = {"emb": jnp.array([[3.0, 4.0], [0.3, 0.4]])}
+    >>> clipped, norms = jaxclip.clip_tree_by_norm(g, 1.0, axes=1)
+    >>> norms["emb"]  # one norm per row
+    Array([5. , 0.5], dtype=float32)
     """
 
     norms: PyTree
@@ -230,6 +240,9 @@ def _clip_tree_by_norm(
     _checks.check_clip_norm(clip_norm, "clip_tree_by_norm")
     p = _checks.check_norm_type(norm_type)
     axes_t = _checks.check_axes(axes, "clip_tree_by_norm")
+    error_if_nonfinite = _checks.check_flag(
+        error_if_nonfinite, "error_if_nonfinite", "clip_tree_by_norm"
+    )
     sel = _tree.select(tree, need_clip, what="norm clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
     leaf_axes = [_checks.leaf_axes(axes_t, x, path) for x, path in zip(xs, sel.chosen_paths)]
@@ -295,6 +308,9 @@ def clip_tree_by_global_norm(
     _checks.check_clip_norm(clip_norm, "clip_tree_by_global_norm")
     p = _checks.check_norm_type(norm_type)
     _checks.check_callable(group, "group", "clip_tree_by_global_norm", "group(path, leaf) -> label")
+    error_if_nonfinite = _checks.check_flag(
+        error_if_nonfinite, "error_if_nonfinite", "clip_tree_by_global_norm"
+    )
     sel = _tree.select(tree, need_clip, what="global-norm clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
     if group is not None:
@@ -405,6 +421,7 @@ def clip_by_value(
       {'w': Array([-0.1 ,  0.05], dtype=float32)}
     """
     _checks.value_bounds(max, min, "clip_by_value")
+    _checks.check_need_clip(need_clip, "clip_by_value")
 
     def clip(updates: PyTree, params: Any = None) -> PyTree:
         del params
@@ -470,7 +487,9 @@ def clip_by_norm(
     """
     _checks.check_clip_norm(clip_norm, "clip_by_norm")
     _checks.check_norm_type(norm_type)
-    _checks.check_axes(axes, "clip_by_norm")
+    _checks.check_axes_range(axes, "clip_by_norm")
+    _checks.check_flag(error_if_nonfinite, "error_if_nonfinite", "clip_by_norm")
+    _checks.check_need_clip(need_clip, "clip_by_norm")
 
     def init_fn(params: PyTree) -> ClipByNormState:
         sel = _tree.select(params, need_clip, what="norm clipping")
@@ -557,6 +576,8 @@ def clip_by_global_norm(
     _checks.check_clip_norm(clip_norm, "clip_by_global_norm")
     _checks.check_norm_type(norm_type)
     _checks.check_callable(group, "group", "clip_by_global_norm", "group(path, leaf) -> label")
+    _checks.check_flag(error_if_nonfinite, "error_if_nonfinite", "clip_by_global_norm")
+    _checks.check_need_clip(need_clip, "clip_by_global_norm")
 
     def init_fn(params: PyTree) -> ClipByGlobalNormState:
         if group is None:

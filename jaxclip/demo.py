@@ -222,7 +222,8 @@ class _Bar:
 
 
 def summary(results: Sequence[Result]) -> dict[str, Any]:
-    """The numbers the README's claims rest on (checked by ``tests/test_demo.py``)."""
+    """The numbers the claims of the README and the docs' demo page rest on (checked by
+    ``tests/test_demo.py``)."""
     unclipped = [r for r in results if r.config.make is optax.identity]
     finals = {r.config.name: r.final() for r in results}
     best = min(unclipped, key=lambda r: float(np.mean(r.final())))
@@ -270,51 +271,60 @@ def table(results: Sequence[Result]) -> str:
 def plot(results: Sequence[Result], path: str) -> None:
     """Left: loss curves (mean over seeds, band = min..max) of the unclipped sweep and of
     ``clip_by_global_norm`` at the high learning rate. Right: every configuration's final
-    loss (mean, bars = min..max over seeds), against the baseline."""
+    loss, one dot per seed on an axis from zero, against the baseline; a run that ended
+    above the baseline (it diverged) is marked so at the right edge instead of a value.
+    Each configuration has its own colour in both panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     base = baseline_bits()
-    fig, (ax, ax_bar) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.3, 1]})
-    blues = iter(plt.get_cmap("Blues")(np.linspace(0.35, 0.8, len(SWEEP) - 1)))
+    right = 6.0  # the right panel's edge; diverged runs are drawn there, marked
+    # Ten Tableau colours, then black and gold: twelve configurations, no two alike.
+    palette = [*plt.get_cmap("tab10").colors, "black", "#e6ab02"]  # pyright: ignore
+    colour = {r.config.name: palette[i % len(palette)] for i, r in enumerate(results)}
+    fig, (ax, ax_dots) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.3, 1]})
     for r in results:
         unclipped = r.config.make is optax.identity
-        if unclipped and r.config.lr == HIGH_LR:
-            style: dict[str, Any] = {"color": "black", "ls": "--", "lw": 1.5}
-        elif unclipped:
-            style = {"color": next(blues), "lw": 1.5}
-        elif r.config.name.startswith("clip_by_global_norm"):
-            style = {"color": "#d62728", "lw": 2.2}
-        else:
+        if not (unclipped or r.config.name.startswith("clip_by_global_norm")):
             continue
+        style: dict[str, Any] = {"color": colour[r.config.name], "lw": 1.8}
+        if unclipped and r.config.lr == HIGH_LR:
+            style["ls"] = "--"
         loss = np.where(np.isfinite(r.loss), r.loss, np.nan)
         steps = np.arange(1, loss.shape[1] + 1)
         ax.plot(steps, np.nanmean(loss, axis=0), label=r.config.name, **style)
         ax.fill_between(
-            steps, np.nanmin(loss, 0), np.nanmax(loss, 0), color=style["color"], alpha=0.2
+            steps, np.nanmin(loss, 0), np.nanmax(loss, 0), color=style["color"], alpha=0.15
         )
     ax.axhline(base, color="gray", ls=":", lw=1.5, label="baseline: character frequencies")
-    ax.set(ylim=(1.8, 7.0), xlabel="SGD step", ylabel="training loss, bits per character")
-    ax.set_title("loss curves (line: mean over seeds, band: range)", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.set(ylim=(0, 7.0), xlabel="SGD step", ylabel="training loss, bits per character")
+    ax.set_title("loss curves (line: mean over seeds, band: range; above 7 not shown)", fontsize=10)
+    ax.legend(fontsize=8, loc="lower left")
 
-    names = [r.config.name for r in results][::-1]
-    finals = [r.final() for r in results][::-1]
-    shown = [np.minimum(f, 6.5) for f in finals]  # diverged runs drawn at the edge
-    mean = np.array([f.mean() for f in shown])
-    err = np.array([[m - f.min(), f.max() - m] for m, f in zip(mean, shown)]).T
-    colors = ["black" if r.config.make is optax.identity else "#d62728" for r in results][::-1]
-    ax_bar.barh(names, mean, xerr=err, color=colors, alpha=0.6, capsize=2)
-    ax_bar.axvline(base, color="gray", ls=":", lw=1.5)
-    ax_bar.text(base, len(names) - 0.4, " baseline", color="gray", fontsize=8, va="bottom")
-    for y, f in enumerate(finals):
-        if np.mean(f) > base:
-            ax_bar.text(6.4, y, "above the baseline", ha="right", va="center", fontsize=8)
-    ax_bar.set(xlim=(1.8, 6.5), xlabel="final loss, bits per character (clipped at 6.5)")
-    ax_bar.set_title("every configuration (bar: mean, whiskers: range)", fontsize=10)
-    ax_bar.tick_params(axis="y", labelsize=8)
+    for y, r in enumerate(results[::-1]):
+        f = r.final()
+        diverged = ~np.isfinite(f) | (f > base)
+        c = colour[r.config.name]
+        ax_dots.plot(f[~diverged], np.full((~diverged).sum(), y), "o", color=c, alpha=0.8)
+        if (~diverged).any():
+            ax_dots.plot(np.mean(f[~diverged]), y, "|", color=c, ms=14, mew=2)
+        if diverged.any():
+            ax_dots.plot(right, y, ">", color=c, ms=8)
+            label = "diverged" + ("" if diverged.all() else f" ({diverged.sum()}/{f.size} seeds)")
+            ax_dots.text(right - 0.12, y, label, ha="right", va="center", fontsize=8, color=c)
+    ax_dots.axvline(base, color="gray", ls=":", lw=1.5)
+    ax_dots.text(base, len(results) - 0.4, " baseline", color="gray", fontsize=8, va="bottom")
+    ax_dots.set_yticks(range(len(results)), [r.config.name for r in results][::-1], fontsize=8)
+    for tick, r in zip(ax_dots.get_yticklabels(), results[::-1]):
+        tick.set_color(colour[r.config.name])
+    ax_dots.set(
+        xlim=(0, right + 0.2),
+        ylim=(-0.6, len(results) - 0.1),
+        xlabel="final loss, bits per character (dots: seeds, bar: their mean)",
+    )
+    ax_dots.set_title("every configuration: lower is better, axis from 0", fontsize=10)
     n = results[0].loss.shape
     fig.suptitle(
         f"Character-level GRU on Shakespeare's sonnets, SGD, {n[1]} steps, {n[0]} seeds: "

@@ -532,19 +532,22 @@ def clip_per_example(
     """
     fn = "clip_per_example"
     p = _check_common(clip_norm, norm_type, reduce, group, fn)
-    noise = _checks.real(noise_multiplier, "noise_multiplier", fn, "a real number >= 0")
-    if noise is not None and not noise >= 0:  # also catches NaN
-        raise ValueError(
-            f"jaxclip.{fn}: noise_multiplier={noise_multiplier!r} must be >= 0 (the noise's "
-            "standard deviation over clip_norm; 0 for no noise)."
-        )
+    _checks.check_finite_nonneg(
+        noise_multiplier,
+        "noise_multiplier",
+        fn,
+        "the noise's standard deviation over clip_norm; 0 for no noise",
+    )
+    noise = _checks.concrete(noise_multiplier)
+    _checks.check_seed(seed, fn)
+    _checks.check_need_clip(need_clip, fn)
     noisy = noise is None or noise > 0
     if reduce is None and noisy:
         raise ValueError(
             f"jaxclip.{fn}: noise_multiplier > 0 needs reduce='mean' or 'sum' (noise is added "
             "to the sum over the batch, not to each example)."
         )
-    size = None if batch_size is None else _checks.static_int(batch_size, "batch_size", fn)
+    size = None if batch_size is None else _checks.static_size(batch_size, "batch_size", fn)
 
     def labels_of(params: PyTree) -> list[Hashable]:
         if group is None:

@@ -119,13 +119,15 @@ print(demo.table(results))""",
     (
         "code",
         """fig, ax = plt.subplots(figsize=(8, 4.5))
-for r in results:
-    loss = np.where(np.isfinite(r.loss), r.loss, np.nan)  # a diverged run leaves the plot
-    style = dict(lw=2.2, color="#d62728") if r.config.name.startswith("clip") else dict(lw=1.2)
-    ax.plot(np.nanmean(loss, axis=0), label=r.config.name, **style)
-ax.axhline(demo.baseline_bits(), color="gray", ls=":", label="baseline: character frequencies")
-ax.set(ylim=(1.8, 7), xlabel="SGD step", ylabel="training loss, bits per character (mean of 3 seeds)")
-ax.legend(fontsize=8); plt.show()""",
+base = demo.baseline_bits()
+for r, colour in zip(results, plt.get_cmap("tab10").colors):  # one colour per run
+    loss = np.where(np.isfinite(r.loss), r.loss, np.nan)
+    diverged = np.mean(r.final()) > base  # ends above the do-nothing baseline
+    label = r.config.name + (" (diverged)" if diverged else "")
+    ax.plot(np.nanmean(loss, axis=0), label=label, color=colour, lw=2.2 if r.config.name.startswith("clip") else 1.4, ls="--" if diverged else "-")
+ax.axhline(base, color="gray", ls=":", label="baseline: character frequencies")
+ax.set(ylim=(0, 7), xlabel="SGD step", ylabel="training loss, bits per character (mean of 3 seeds)")
+ax.legend(fontsize=8, loc="lower left"); plt.show()""",
     ),
     (
         "md",

@@ -4,6 +4,7 @@ import contextlib
 import io
 import pathlib
 import re
+import types
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
@@ -23,7 +24,17 @@ def test_every_public_name_is_in_the_api_reference():
 
     api = (pathlib.Path(__file__).parent.parent / "docs" / "api.rst").read_text()
     documented = set(re.findall(r"^\.\. auto(?:function|class):: (\w+)", api, re.M))
-    public = {n for n in dir(jaxclip) if not n.startswith("_") and n != "demo"}
-    public -= {"annotations"}
-    missing = {n for n in public if callable(getattr(jaxclip, n))} - documented
+    missing = {n for n in jaxclip.__all__ if callable(getattr(jaxclip, n))} - documented
     assert not missing, f"add to docs/api.rst: {sorted(missing)}"
+
+
+def test_all_is_every_public_name():
+    import jaxclip
+
+    public = {
+        n
+        for n in dir(jaxclip)
+        if not n.startswith("_") and not isinstance(getattr(jaxclip, n), types.ModuleType)
+    }
+    assert set(jaxclip.__all__) == public
+    assert all(hasattr(jaxclip, n) for n in jaxclip.__all__)

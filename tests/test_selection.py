@@ -69,9 +69,11 @@ RULES = {
         lambda: jaxclip.min_rank(2) & ~jaxclip.by_path("*emb*"),
         {"hidden.weight", "out.weight"},
     ),
+    # One rule for linen ("LayerNorm_0") and Equinox/NNX ("ln"): each framework's tree has
+    # only one of the two patterns, which allow_unmatched declares intended.
     "biases or embeddings (regex)": (
         lambda: (
-            jaxclip.by_name("bias") & ~jaxclip.by_path("*LayerNorm*", "ln/*")
+            jaxclip.by_name("bias") & ~jaxclip.by_path("*LayerNorm*", "ln/*", allow_unmatched=True)
             | jaxclip.by_path(re.compile(r".*[Ee]mb.*"))
         ),
         {"embedding", "hidden.bias", "out.bias"},
@@ -337,3 +339,94 @@ def test_selector_errors_say_what_to_pass():
         jaxclip.global_norm({"w": jnp.ones(2)}, need_clip=bad)
     with pytest.raises(TypeError, match=r"selector <lambda> returned 'yes'.*leaf at 'w'"):
         jaxclip.global_norm({"w": jnp.ones(2)}, need_clip=~bad)
+
+
+# A name or path pattern that matches no leaf is an error, not a silent "clip everything".
+UNMATCHED = {
+    "exclude_names": (lambda **kw: jaxclip.exclude_names("biases", **kw), "'biases'"),
+    "by_name": (lambda **kw: jaxclip.by_name("bias", "scales", **kw), "'scales'"),
+    "exclude_paths": (lambda **kw: jaxclip.exclude_paths("l2/*", **kw), "'l2/*'"),
+    "by_path": (lambda **kw: jaxclip.by_path(re.compile(r"enc/\d+"), **kw), "enc/\\\\d+"),
+    "in a combination": (
+        lambda **kw: jaxclip.min_rank(2) & ~jaxclip.by_name("embedding", **kw),
+        "'embedding'",
+    ),
+    "negated twice": (lambda **kw: ~jaxclip.exclude_paths("*/gamma", **kw), "'*/gamma'"),
+}
+SMALL = {"l1": {"w": jnp.full((2, 2), 2.0), "bias": jnp.full(2, 100.0)}}
+
+
+@pytest.mark.parametrize("case", UNMATCHED)
+def test_a_pattern_that_matches_no_leaf_is_an_error_naming_it_and_the_paths(case):
+    make, shown = UNMATCHED[case]
+    with pytest.raises(ValueError, match="matches no leaf") as info:
+        jaxclip.global_norm(SMALL, need_clip=make())
+    message = str(info.value)
+    assert shown in message and "'l1/bias'" in message and "'l1/w'" in message, message
+    assert "allow_unmatched=True" in message, message
+
+
+@pytest.mark.parametrize("case", UNMATCHED)
+def test_allow_unmatched_lets_a_pattern_match_nothing(case):
+    make, _ = UNMATCHED[case]
+    rule = make(allow_unmatched=True)
+    # The result is whatever the rule selects; the unmatched pattern itself decides nothing.
+    expected = {
+        path: bool(rule.matches(path, x))
+        for path, x in (("l1/w", SMALL["l1"]["w"]), ("l1/bias", SMALL["l1"]["bias"]))
+    }
+    norm = jaxclip.global_norm(SMALL, need_clip=rule)
+    want = np.sqrt(16.0 * expected["l1/w"] + 20000.0 * expected["l1/bias"])
+    np.testing.assert_allclose(norm, want, rtol=1e-6)
+
+
+def test_unmatched_is_checked_in_transformations_and_per_example_too():
+    with pytest.raises(ValueError, match="'biases' of exclude_names"):
+        tx = jaxclip.clip_by_global_norm(1.0, need_clip=jaxclip.exclude_names("biases"))
+        tx.update(SMALL, tx.init(SMALL))
+    with pytest.raises(ValueError, match="'l2/\\*' of exclude_paths"):
+        jaxclip.clip_by_value(1.0, need_clip=jaxclip.exclude_paths("l2/*")).update(SMALL, None)
+    batch = jax.tree.map(lambda x: jnp.stack([x, x]), SMALL)
+    with pytest.raises(ValueError, match="'emb' of by_name"):
+        jaxclip.clip_tree_per_example(batch, 1.0, need_clip=jaxclip.by_name("emb"))
+
+
+def test_a_matched_pattern_is_not_an_error_when_the_rule_selects_nothing():
+    # "bias" matches a leaf; the rule then selects nothing, which is a valid selection.
+    rule = jaxclip.by_name("bias") & jaxclip.min_rank(2)
+    clipped, norm = jaxclip.clip_tree_by_global_norm(SMALL, 1.0, need_clip=rule)
+    assert float(norm) == 0.0
+    assert clipped["l1"]["bias"] is SMALL["l1"]["bias"] and clipped["l1"]["w"] is SMALL["l1"]["w"]
+
+
+EXPLICITLY_NOTHING = {
+    "need_clip=False": False,
+    "an all-False mask": {"l1": {"w": False, "bias": False}},
+    "a rule that is False everywhere": lambda path, leaf: False,
+    "a Selector that is False everywhere": jaxclip.Selector(lambda path, leaf: False),
+}
+
+
+@pytest.mark.parametrize("case", EXPLICITLY_NOTHING)
+def test_an_explicit_selection_of_nothing_clips_nothing(case):
+    need_clip = EXPLICITLY_NOTHING[case]
+    clipped, norm = jaxclip.clip_tree_by_global_norm(SMALL, 1.0, need_clip=need_clip)
+    assert float(norm) == 0.0  # as Paddle: no parameter takes part, the norm is empty
+    assert jax.tree.leaves(clipped) == jax.tree.leaves(SMALL)
+    assert all(a is b for a, b in zip(jax.tree.leaves(clipped), jax.tree.leaves(SMALL)))
+    tx = jaxclip.clip_by_norm(1.0, need_clip=need_clip)
+    updates, _ = tx.update(SMALL, tx.init(SMALL))
+    assert all(a is b for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(SMALL)))
+
+
+def test_exclude_biases_and_norms_needs_no_bias_or_scale():
+    # One rule for every framework: a tree without "scale" (Equinox) or "bias" is fine.
+    grads = {"w": jnp.full((2, 2), 2.0), "v": jnp.ones(3)}
+    np.testing.assert_allclose(
+        jaxclip.global_norm(grads, need_clip=jaxclip.exclude_biases_and_norms()), 4.0
+    )
+
+
+def test_allow_unmatched_must_be_a_bool():
+    with pytest.raises(TypeError, match="allow_unmatched=True or False"):
+        jaxclip.by_name("bias", allow_unmatched="yes")  # pyright: ignore[reportArgumentType]
