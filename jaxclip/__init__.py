@@ -32,6 +32,11 @@ from jaxclip.clipping import clip_tree_by_global_norm as clip_tree_by_global_nor
 from jaxclip.clipping import clip_tree_by_norm as clip_tree_by_norm
 from jaxclip.clipping import clip_tree_by_value as clip_tree_by_value
 from jaxclip.clipping import global_norm as global_norm
+from jaxclip.dp import AdaptiveClipPerExampleState as AdaptiveClipPerExampleState
+from jaxclip.dp import ClippedGradAux as ClippedGradAux
+from jaxclip.dp import adaptive_clip_noise_multiplier as adaptive_clip_noise_multiplier
+from jaxclip.dp import adaptive_clip_per_example as adaptive_clip_per_example
+from jaxclip.dp import clipped_grad as clipped_grad
 from jaxclip.per_example import ClipPerExampleState as ClipPerExampleState
 from jaxclip.per_example import clip_per_example as clip_per_example
 from jaxclip.per_example import clip_tree_per_example as clip_tree_per_example
