@@ -239,7 +239,7 @@ def clipped_grad(
 
             zeros = [jnp.zeros(leaves[i].shape, leaves[i].dtype) for i in acc]
             carry, ys = lax.scan(body, zeros, split)
-            out = [np.zeros(s.shape, s.dtype) for s in leaves]  # float0 leaves
+            out: list[Any] = [np.zeros(s.shape, s.dtype) for s in leaves]  # float0 leaves
             for i, c in zip(acc, carry):
                 out[i] = c
             sums = jax.tree.unflatten(treedef, out)
@@ -451,6 +451,7 @@ def adaptive_clip_per_example(
       TF-Privacy's ``QuantileAdaptiveClipSumQuery`` and ``QuantileEstimatorQuery``.
     """
     fn = "adaptive_clip_per_example"
+    _checks.check_clip_norm(initial_clip_norm, fn, "initial_clip_norm")
     p = per_example._check_common(initial_clip_norm, norm_type, reduce, None, fn)
     if reduce is None:
         raise ValueError(f'jaxclip.{fn}: reduce=None; pass "mean" or "sum".')
@@ -502,7 +503,7 @@ def adaptive_clip_per_example(
                 )
             rows = norms.shape[0]
             tree = _noised_sum(updates, std if noisy_sum else None, k_sum, reduce, rows, need_clip)
-        expected = float(rows) if expected_num_records is None else float(expected_num_records)
+        expected = float(expected_num_records or rows or 1)  # rows: a static shape
         count_std = clipped_count_stddev
         if count_std is None:
             count_std = expected / 20 if noisy_sum else 0.0
