@@ -66,7 +66,7 @@ def _jitted(micro, reduce="sum", groups=False):
     return jax.jit(f)
 
 
-@pytest.mark.parametrize("micro", [None, 1, 3, 5, 10, 16])
+@pytest.mark.parametrize("micro", [None, 1, 3, 16])  # whole, 1 row, 3 not dividing 10, > B
 def test_clipped_grad_matches_float64_formula(micro):
     params, x, y = _data()
     want, norms = _reference(params, x, y, 1.5)
@@ -268,8 +268,7 @@ def test_adaptation_target_one_geometric():
     np.testing.assert_allclose(clips, [1.0, 2.0, r, 4.0, 4.0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("geometric", [False, True])
-@pytest.mark.parametrize("start", [1.0, 10.0])
+@pytest.mark.parametrize(("geometric", "start"), [(False, 10.0), (True, 1.0)])
 def test_adaptation_linspace_converges_to_the_median(geometric, start):
     tx = jaxclip.adaptive_clip_per_example(
         start, target_unclipped_quantile=0.5, learning_rate=1.0, geometric_update=geometric
