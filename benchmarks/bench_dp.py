@@ -10,7 +10,7 @@ a naive ``vmap(grad)`` + clip are measured. For each model, dtype and microbatch
 compiled gradient function and the median run time over calls interleaved round-robin
 (so that machine noise hits every row alike), and the ratios the targets are stated in:
 temporaries against (m/B) x the whole batch's, time against jax-privacy's at the same m
-and against jaxclip's whole batch. Results go to ``benchmarks/results_dp.json``.
+and against jaxclip's whole batch. Results go to ``benchmarks/results_dp.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -248,6 +248,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--out", default=os.path.join(HERE, "results_dp.json"))
     args = ap.parse_args()
     reps = 3 if args.quick else 7
     results = []
@@ -266,7 +267,7 @@ def main() -> None:
         "jax_privacy": None if jp_clipping is None else __import__("jax_privacy").__version__,
         "command": " ".join(sys.argv),
     }  # fmt: skip
-    with open(os.path.join(HERE, "results_dp.json"), "w") as f:
+    with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": results, "table": text}, f, indent=1)
 
 
