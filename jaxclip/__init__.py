@@ -32,6 +32,11 @@ from jaxclip.clipping import clip_tree_by_global_norm as clip_tree_by_global_nor
 from jaxclip.clipping import clip_tree_by_norm as clip_tree_by_norm
 from jaxclip.clipping import clip_tree_by_value as clip_tree_by_value
 from jaxclip.clipping import global_norm as global_norm
+from jaxclip.dp import AdaptiveClipPerExampleState as AdaptiveClipPerExampleState
+from jaxclip.dp import ClippedGradAux as ClippedGradAux
+from jaxclip.dp import adaptive_clip_noise_multiplier as adaptive_clip_noise_multiplier
+from jaxclip.dp import adaptive_clip_per_example as adaptive_clip_per_example
+from jaxclip.dp import clipped_grad as clipped_grad
 from jaxclip.per_example import ClipPerExampleState as ClipPerExampleState
 from jaxclip.per_example import clip_per_example as clip_per_example
 from jaxclip.per_example import clip_tree_per_example as clip_tree_per_example
@@ -39,16 +44,20 @@ from jaxclip.per_example import clip_tree_per_example as clip_tree_per_example
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveClipPerExampleState",
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByNormState",
     "ClipPerExampleState",
+    "ClippedGradAux",
     "HistoryClipState",
     "NonFiniteNormError",
     "Selector",
     "SkipLargeUpdatesState",
     "ZClipState",
     "adaptive_clip",
+    "adaptive_clip_noise_multiplier",
+    "adaptive_clip_per_example",
     "auto_clip",
     "by_name",
     "by_path",
@@ -62,6 +71,7 @@ __all__ = [
     "clip_tree_by_norm",
     "clip_tree_by_value",
     "clip_tree_per_example",
+    "clipped_grad",
     "exclude_biases_and_norms",
     "exclude_names",
     "exclude_paths",

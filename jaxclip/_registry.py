@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import optax
 
-from jaxclip import adaptive, clipping, per_example
+from jaxclip import adaptive, clipping, dp, per_example
 
 
 class Mode(NamedTuple):
@@ -28,6 +28,7 @@ class Mode(NamedTuple):
       logged: the state's fields that :func:`jaxclip.clip_stats` reports.
       example: keyword arguments of a small working configuration (with ``scheduled``).
       needs_params: whether ``update`` reads ``params``.
+      batched: whether ``update`` takes per-example gradients (a leading batch axis).
     """
 
     factory: Callable[..., optax.GradientTransformation]
@@ -36,6 +37,7 @@ class Mode(NamedTuple):
     logged: tuple[str, ...]
     example: dict[str, Any]
     needs_params: bool = False
+    batched: bool = False
 
     @property
     def name(self) -> str:
@@ -113,6 +115,15 @@ MODES: tuple[Mode, ...] = (
         per_example.ClipPerExampleState,
         ("norms", "clipped_fraction"),
         {"clip_norm": 1.0},
+        batched=True,
+    ),
+    Mode(
+        dp.adaptive_clip_per_example,
+        "target_unclipped_quantile",
+        dp.AdaptiveClipPerExampleState,
+        ("clip_norm", "unclipped_fraction"),
+        {"initial_clip_norm": 1.0},
+        batched=True,
     ),
 )
 

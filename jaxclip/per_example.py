@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -49,9 +49,19 @@ class ClipPerExampleState(NamedTuple):
     key: Array
 
 
-def _check_common(clip_norm: Any, norm_type: Any, reduce: Any, group: Any, fn: str) -> float:
+def check_common(clip_norm: Any, norm_type: Any, reduce: Any, group: Any, fn: str) -> float:
     """The checks both entry points share; returns the norm type as a float."""
-    _checks.check_clip_norm(clip_norm, fn)
+    if isinstance(clip_norm, Mapping):
+        if group is None:
+            raise ValueError(
+                f"jaxclip.{fn}: clip_norm is a dict ({list(clip_norm)!r}), which maps group "
+                "labels to clip norms, but group is None. Pass group=... (a callable "
+                "group(path, leaf) -> label), or one clip_norm for every example."
+            )
+        for label, value in clip_norm.items():
+            _checks.check_clip_norm(value, fn, f"clip_norm[{label!r}]")
+    else:
+        _checks.check_clip_norm(clip_norm, fn)
     p = _checks.check_norm_type(norm_type)
     _check_reduce(reduce, fn)
     _checks.check_callable(group, "group", fn, "group(path, leaf) -> label")
@@ -63,6 +73,41 @@ def _check_reduce(reduce: Any, fn: str) -> None:
         raise ValueError(
             f'jaxclip.{fn}: reduce={reduce!r}; pass "sum", "mean" or None (keep the batch axis).'
         )
+
+
+def per_label_clip_norms(clip_norm: Any, labels: Sequence[Hashable], fn: str) -> list[Any]:
+    """The clip norm of each label, in the order of ``labels``: ``clip_norm`` for every
+    label, or, for a dict, its value per label (a ValueError naming a label that the dict
+    misses or one that no selected leaf has)."""
+    if not isinstance(clip_norm, Mapping):
+        return [clip_norm] * len(labels)
+    missing = [label for label in labels if label not in clip_norm]
+    if missing:
+        raise ValueError(
+            f"jaxclip.{fn}: clip_norm has no value for the group label {missing[0]!r} "
+            f"(the labels of the selected leaves are {list(labels)!r}, clip_norm's keys "
+            f"{list(clip_norm)!r}). Add clip_norm[{missing[0]!r}]."
+        )
+    extra = [label for label in clip_norm if label not in labels]
+    if extra:
+        raise ValueError(
+            f"jaxclip.{fn}: clip_norm has a value for the label {extra[0]!r}, but no selected "
+            f"leaf has that label (group gives {list(labels)!r}). Remove it, or check group "
+            "and need_clip."
+        )
+    return [clip_norm[label] for label in labels]
+
+
+def sensitivity(clip_norm: Any) -> Any:
+    """The L2 sensitivity of a sum of clipped examples: ``clip_norm``, or with a dict of
+    per-group clip norms ``sqrt(sum_g c_g**2)`` (each group of an example is clipped to
+    its own ``c_g``, so the example's joint norm is at most that)."""
+    if not isinstance(clip_norm, Mapping):
+        return clip_norm
+    values = list(clip_norm.values())
+    if all(_checks.concrete(v) is not None for v in values):
+        return math.sqrt(sum(float(v) ** 2 for v in values))
+    return jnp.sqrt(sum(jnp.square(jnp.asarray(v, jnp.float32)) for v in values))
 
 
 def _batch_size(leaves: Sequence[Any], paths: Sequence[str], fn: str) -> int | None:
@@ -172,7 +217,7 @@ def _contract_split(w: Array, x: Array) -> Array:
     return jnp.sum(out, 0) * (1 / scale)  # exact: a power of two, one division
 
 
-def _per_example(
+def clip_examples(
     grads: PyTree,
     clip_norm: Any,
     p: float,
@@ -183,17 +228,25 @@ def _per_example(
     key: Array | None,
     fn: str,
     axis_name: AxisName = None,
+    *,
+    weights: Array | None = None,
+    keep_acc: bool = False,
 ) -> tuple[PyTree, dict[Hashable, Array], dict[Hashable, Array], int | None]:
     """The work of both public functions: ``(tree, norms, clipped_fractions, batch)``, with
     per-label norms and fractions (one label, None, without ``group``). Noise of standard
-    deviation ``noise_std`` is added to the selected leaves' sums when ``key`` is given."""
+    deviation ``noise_std`` is added to the selected leaves' sums when ``key`` is given.
+
+    For :func:`jaxclip.clipped_grad`'s microbatches: ``weights`` (a bool per example)
+    leaves out the examples where it is False (padding: weight 0 in the sums, not counted
+    in the clipped fraction); ``keep_acc`` returns the sums unrounded, in the
+    accumulation dtype (float32 for 16-bit leaves), and unaveraged."""
     sel = _tree.select(grads, need_clip, what="per-example clipping", view=_tree.one_example)
     xs = [jnp.asarray(x) for x in sel.chosen]
     # Unselected floating leaves are reduced too (not clipped): they need the batch axis.
     rest = [
         i
         for i, (x, s) in enumerate(zip(sel.leaves, sel.selected))
-        if not s and reduce is not None and _is_float(x)
+        if not s and reduce is not None and is_float(x)
     ]
     batch = _batch_size(
         [*xs, *(sel.leaves[i] for i in rest)],
@@ -211,13 +264,16 @@ def _per_example(
     else:
         labels, per_leaf = _tree.group_labels(group, sel)
     members = tuple(tuple(i for i, lab in enumerate(per_leaf) if lab == label) for label in labels)
+    clip_norms = per_label_clip_norms(clip_norm, labels, fn)
     rest_xs = [jnp.asarray(sel.leaves[i]) for i in rest]
     outs, rest_outs, norms, fractions = _arrays(
         xs,
         rest_xs,
-        clip_norm,
+        clip_norms,
         noise_std,
         key,
+        weights,
+        keep_acc=keep_acc,
         p=p,
         members=members,
         reduce=reduce,
@@ -242,15 +298,17 @@ def _per_example(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("p", "members", "reduce", "batch", "axis_name", "paths")
+    jax.jit, static_argnames=("p", "members", "reduce", "batch", "axis_name", "paths", "keep_acc")
 )
 def _arrays(
     xs: list[Array],
     rest: list[Array],
-    clip_norm: Any,
+    clip_norms: list[Any],
     noise_std: Any,
     key: Array | None,
+    weights: Array | None = None,
     *,
+    keep_acc: bool = False,
     p: float,
     members: tuple[tuple[int, ...], ...],
     reduce: Reduce,
@@ -259,13 +317,16 @@ def _arrays(
     paths: tuple[str, ...],
 ) -> tuple[list[Array], list[Array], list[Array], list[Array]]:
     """The array work, one compiled call (so eager use is one dispatch): per group of
-    ``members`` (indices into ``xs``), the per-example norms, factors and clipped fraction;
-    then each selected leaf scaled (``reduce=None``) or contracted with its factors, plus
-    noise when ``key`` is given; the unselected ``rest`` summed unclipped."""
+    ``members`` (indices into ``xs``), with that group's entry of ``clip_norms``, the
+    per-example norms, factors and clipped fraction; then each selected leaf scaled
+    (``reduce=None``) or contracted with its factors, plus noise when ``key`` is given;
+    the unselected ``rest`` summed unclipped. Examples whose ``weights`` are False get
+    weight 0 (see :func:`clip_examples`)."""
     norms, fractions = [], []
     scales: list[Any] = [None] * len(xs)
     parts: list[Any] = [None] * len(xs)
-    for group in members:
+    limits: list[Any] = [None] * len(xs)
+    for group, clip_norm in zip(members, clip_norms):
         if group:
             n = _norms.per_example_norm_parts(
                 [xs[i] for i in group],
@@ -276,41 +337,44 @@ def _arrays(
         else:  # nothing selected: every example has norm 0
             n = _norms.as_norm(jnp.zeros((batch or 0,), jnp.float32))
         scale = _norms.clip_factor(n, clip_norm)
+        if weights is None:
+            fraction = jnp.mean(~scale.keep, dtype=jnp.float32)
+        else:  # the fraction of the real examples (a sum here, see clipped_grad)
+            fraction = jnp.sum(~scale.keep & weights, dtype=jnp.float32)
         # Everything read from the norm is computed before the contractions, so that only
         # the factors stay live while they run.
-        scale, value, fraction, n = lax.optimization_barrier(
-            (scale, n.value, jnp.mean(~scale.keep, dtype=jnp.float32), n)
-        )
+        scale, value, fraction, n = lax.optimization_barrier((scale, n.value, fraction, n))
         norms.append(value)
         fractions.append(fraction)
         for i in group:
-            scales[i], parts[i] = scale, n
+            scales[i], parts[i], limits[i] = scale, n, clip_norm
     if reduce is None:
         shaped: list[tuple[Any, Any]] = []
         for x, s, n in zip(xs, scales, parts):
             kept = (x.shape[0],) + (1,) * (x.ndim - 1)
             shaped.append(tuple(type(v)(*(f.reshape(kept) for f in v)) for v in (s, n)))
-        outs = _norms.apply_factors(
-            xs, [s for s, _ in shaped], [n for _, n in shaped], [clip_norm] * len(xs)
-        )
+        outs = _norms.apply_factors(xs, [s for s, _ in shaped], [n for _, n in shaped], limits)
         return outs, list(rest), norms, fractions
     keys = [None] * len(xs) if key is None else list(jax.random.split(key, len(xs)))
     outs = []
-    for x, s, k, path in zip(xs, scales, keys, paths):
+    for x, s, k, path, clip_norm in zip(xs, scales, keys, paths, limits):
         w, unlift = _weights(s, clip_norm, x.shape[0])
+        if weights is not None:
+            w = jnp.where(weights, w, 0)
         total = _contract(w, x) * unlift  # exact (a power of two); fuses with what follows
         if k is not None:  # one independent draw per leaf (and per step: a fresh key)
             k, share = _device_noise(k, x, axis_name, path)
-            total = total + _normal(k, total, noise_std * share)
-        outs.append(_finish(total, x.dtype, reduce, batch))
+            total = total + normal(k, total, noise_std * share)
+        outs.append(total if keep_acc else _finish(total, x.dtype, reduce, batch))
     rest_outs = []
     for x in rest:
-        total = _contract(jnp.ones((x.shape[0],), _norms.acc_dtype(x.dtype)), x)
-        rest_outs.append(_finish(total, x.dtype, reduce, batch))
+        ones = jnp.ones((x.shape[0],), _norms.acc_dtype(x.dtype))
+        total = _contract(ones if weights is None else jnp.where(weights, ones, 0), x)
+        rest_outs.append(total if keep_acc else _finish(total, x.dtype, reduce, batch))
     return outs, rest_outs, norms, fractions
 
 
-def _normal(key: Array, like: Array, std: Any) -> Array:
+def normal(key: Array, like: Array, std: Any) -> Array:
     """Gaussian noise of standard deviation ``std`` shaped like ``like``; for a complex
     leaf, ``std`` on the real and on the imaginary part, each drawn independently (the
     noise a real leaf stored as two real parts would get)."""
@@ -350,7 +414,7 @@ def _device_noise(key: Array, x: Array, axis_name: AxisName, path: str) -> tuple
     return key, 1 / math.sqrt(devices)
 
 
-def _is_float(x: Any) -> bool:
+def is_float(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
@@ -361,7 +425,7 @@ def _reduce_other(x: Any, path: str, fn: str) -> Any:
     as the summed leaves do; an integer or boolean array is an error (passed through it
     would keep the batch axis, and an optimizer would broadcast its param against it)."""
     dtype = getattr(x, "dtype", None)
-    if dtype is None or _is_key(x):
+    if dtype is None or is_key(x):
         return x
     if dtype == jax.dtypes.float0:
         return np.zeros(np.shape(x)[1:], dtype) if np.ndim(x) else x
@@ -410,7 +474,12 @@ def clip_tree_per_example(
     Args:
       grads: per-example gradients: a pytree whose selected leaves have shape
         ``(B, *param_shape)``.
-      clip_norm: the largest per-example norm, > 0.
+      clip_norm: the largest per-example norm, > 0; with ``group``, also a dict that maps
+        each label to its own clip norm (per-layer clipping with a norm per layer, as
+        Opacus' list of ``max_grad_norm`` and jax-privacy's clip norm tree). An example's
+        clipped gradient then has norm at most ``sqrt(sum_g c_g**2)``, the sum's
+        sensitivity. A label missing from the dict, or a key no selected leaf has, is a
+        ValueError naming it.
       norm_type: ``p > 0`` or ``float('inf')``.
       need_clip: which leaves are clipped (see :func:`clip_by_value`). A rule
         (``need_clip`` or ``group``) is shown each leaf as one example, a
@@ -449,8 +518,8 @@ def clip_tree_per_example(
       <https://arxiv.org/abs/1607.00133>`_, 2016
     """
     fn = "clip_tree_per_example"
-    p = _check_common(clip_norm, norm_type, reduce, group, fn)
-    tree, norms, _, _ = _per_example(
+    p = check_common(clip_norm, norm_type, reduce, group, fn)
+    tree, norms, _, _ = clip_examples(
         grads, clip_norm, p, need_clip, group, reduce, None, None, fn, axis_name
     )
     return tree, (norms[None] if group is None else norms)
@@ -481,10 +550,14 @@ def clip_per_example(
     other gradient accumulation would average noise that DP-SGD accounts once per step.
 
     Noise goes to the selected leaves only: unselected leaves are averaged unclipped and
-    are not private. With ``group``, each label is clipped to ``clip_norm``, so an
-    example's joint norm is at most ``clip_norm * sqrt(labels)``; scale ``clip_norm`` or
+    are not private. With ``group`` and one ``clip_norm``, each label is clipped to
+    ``clip_norm``, so an example's joint norm is at most ``clip_norm * sqrt(labels)``,
+    while the noise stays ``noise_multiplier * clip_norm``; scale ``clip_norm`` or
     ``noise_multiplier`` for that in the privacy accounting (which is not done here: use
-    ``dp_accounting`` from Google, or Opacus' accountant with PyTorch).
+    ``dp_accounting`` from Google, or Opacus' accountant with PyTorch). With a dict of
+    per-label clip norms ``c_g``, the sensitivity is ``sqrt(sum_g c_g**2)`` and the noise's
+    standard deviation is ``noise_multiplier * sqrt(sum_g c_g**2)``, so
+    ``noise_multiplier`` is the noise multiplier of the accounting as it is.
 
     ``init`` sees the params, which have no batch axis: the state keeps per-example norms
     only when ``batch_size`` fixes their shape (``update`` then raises for another batch
@@ -494,7 +567,8 @@ def clip_per_example(
 
     Args:
       clip_norm: the largest per-example norm, > 0 (may be traced, so
-        ``optax.inject_hyperparams`` can schedule it).
+        ``optax.inject_hyperparams`` can schedule it); with ``group``, also a dict
+        label -> clip norm (see :func:`clip_tree_per_example`).
       reduce: ``"mean"`` (DP-SGD), ``"sum"``, or None (no noise; clipped examples).
       noise_multiplier: the noise's standard deviation over ``clip_norm``, >= 0.
       seed: an int, or a ``jax.random`` key, for the noise.
@@ -531,7 +605,7 @@ def clip_per_example(
       <https://arxiv.org/abs/1607.00133>`_, 2016
     """
     fn = "clip_per_example"
-    p = _check_common(clip_norm, norm_type, reduce, group, fn)
+    p = check_common(clip_norm, norm_type, reduce, group, fn)
     _checks.check_finite_nonneg(
         noise_multiplier,
         "noise_multiplier",
@@ -565,14 +639,14 @@ def clip_per_example(
         if size is not None:
             norms = pack({label: jnp.zeros((size,), jnp.float32) for label in labels})
         fraction = pack({label: jnp.zeros((), jnp.float32) for label in labels})
-        key = jax.random.key(seed) if np.ndim(seed) == 0 and not _is_key(seed) else seed
+        key = jax.random.key(seed) if np.ndim(seed) == 0 and not is_key(seed) else seed
         return ClipPerExampleState(norms, fraction, jnp.asarray(key))
 
     def update_fn(updates: PyTree, state: ClipPerExampleState, params: Any = None):
-        _check_against_params(updates, params, fn)
+        check_against_params(updates, params, fn)
         key, sub = jax.random.split(state.key) if noisy else (state.key, None)
-        std = noise_multiplier * jnp.asarray(clip_norm, jnp.float32)
-        tree, norms, fractions, batch = _per_example(
+        std = noise_multiplier * jnp.asarray(sensitivity(clip_norm), jnp.float32)
+        tree, norms, fractions, batch = clip_examples(
             updates, clip_norm, p, need_clip, group, reduce, std, sub, fn, axis_name
         )
         if size is not None and batch != size:
@@ -595,7 +669,7 @@ def clip_per_example(
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-def _check_against_params(updates: PyTree, params: Any, fn: str) -> None:
+def check_against_params(updates: PyTree, params: Any, fn: str) -> None:
     """Where ``params`` are given with the same structure, every update must be a params
     leaf with a leading batch axis: already averaged gradients whose leaves happen to
     share a leading size would otherwise pass as a batch."""
@@ -606,7 +680,7 @@ def _check_against_params(updates: PyTree, params: Any, fn: str) -> None:
     if tree != ptree:
         return
     for path, u, p in zip(paths, ups, ps):
-        if not hasattr(u, "shape") or not hasattr(p, "shape") or _is_key(u):
+        if not hasattr(u, "shape") or not hasattr(p, "shape") or is_key(u):
             continue
         if tuple(u.shape[1:]) != tuple(p.shape) or len(u.shape) != len(p.shape) + 1:
             where = _tree.shown(_tree.path_str(path))
@@ -619,6 +693,6 @@ def _check_against_params(updates: PyTree, params: Any, fn: str) -> None:
             )
 
 
-def _is_key(x: Any) -> bool:
+def is_key(x: Any) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)

@@ -443,9 +443,9 @@ PARAMS = {"enc": {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}, "dec": jnp.ones(4)}
 GRADS = jax.tree.map(lambda p: 0.5 * p, PARAMS)
 _first = lambda path, leaf: path.split("/")[0]  # noqa: E731
 
-# Every registered mode (per-example clipping takes batched gradients: its state is
-# checked in test_per_example), and configurations whose states differ.
-TRANSFORMS = [(m.name, m.build) for m in MODES if m.name != "clip_per_example"] + [
+# Every registered mode (per-example modes take batched gradients: their states are
+# checked in test_per_example and test_dp), and configurations whose states differ.
+TRANSFORMS = [(m.name, m.build) for m in MODES if not m.batched] + [
     (
         "clip_by_norm-axes",
         lambda: jaxclip.clip_by_norm(

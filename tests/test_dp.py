@@ -1,0 +1,363 @@
+"""clipped_grad, per-group clip norms and adaptive_clip_per_example.
+
+Expected values come from float64 NumPy formulas (the per-example gradient of a linear
+model is closed form), from TF-Privacy's own scripted tests of
+``QuantileAdaptiveClipSumQuery`` (its expected sums and clip norms, ported as they are),
+and from the paper's update rule; noise is checked by statistics over many draws.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxclip
+
+B, D = 10, 5
+
+
+def _linear_loss(params, x, y):  # one example: residual r = w.x + b - y
+    r = jnp.dot(params["w"], x) + params["b"] - y
+    return 0.5 * r**2
+
+
+def _data(seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    params = {"w": rng.normal(size=D).astype(dtype), "b": np.array(0.3, dtype)}
+    x = rng.normal(size=(B, D)).astype(dtype) * np.linspace(0.1, 3.0, B)[:, None].astype(dtype)
+    y = rng.normal(size=B).astype(dtype)
+    return params, x, y
+
+
+def _reference(params, x, y, clip, valid=None, groups=False):
+    """float64: per-example gradients (r x, r), their norms, the clipped sum."""
+    w, b = np.asarray(params["w"], np.float64), float(params["b"])
+    x, y = x.astype(np.float64), y.astype(np.float64)
+    r = x @ w + b - y
+    gw, gb = r[:, None] * x, r
+    valid = np.ones(len(r), bool) if valid is None else valid
+    if groups:  # "w" and "b" clipped each to their own norm
+        nw, nb = np.linalg.norm(gw, axis=1), np.abs(gb)
+        fw = np.minimum(1, clip["w"] / nw) * valid
+        fb = np.minimum(1, clip["b"] / nb) * valid
+        return {"w": fw @ gw, "b": fb @ gb}, {"w": nw, "b": nb}
+    n = np.sqrt(np.sum(gw**2, axis=1) + gb**2)
+    f = np.minimum(1.0, clip / n) * valid
+    return {"w": f @ gw, "b": f @ gb}, n
+
+
+@functools.cache
+def _jitted(micro, reduce="sum", groups=False):
+    group = (lambda path, leaf: path) if groups else None
+
+    def f(params, x, y, clip, pad):
+        g = jaxclip.clipped_grad(
+            _linear_loss, clip, microbatch_size=micro, reduce=reduce, group=group,
+            batch_argnums=(1, 2), return_norms=True, return_values=True,
+        )  # fmt: skip
+        return g(params, x, y, is_padding_example=pad)
+
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("micro", [None, 1, 3, 16])  # whole, 1 row, 3 not dividing 10, > B
+def test_clipped_grad_matches_float64_formula(micro):
+    params, x, y = _data()
+    want, norms = _reference(params, x, y, 1.5)
+    assert 0 < np.sum(norms > 1.5) < B  # some clipped, some kept
+    total, aux = _jitted(micro)(params, x, y, 1.5, np.zeros(B, bool))
+    for k in want:
+        np.testing.assert_allclose(total[k], want[k], rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(aux.norms, norms, rtol=1e-6)
+    assert aux.norms.shape == (B,) and aux.values.shape == (B,)
+    r = x.astype(np.float64) @ params["w"] + float(params["b"]) - y
+    np.testing.assert_allclose(aux.values, 0.5 * r**2, rtol=1e-5)
+
+
+def test_clipped_grad_padding_examples_add_nothing():
+    params, x, y = _data(1)
+    pad = np.zeros(B, bool)
+    pad[[2, 7, 9]] = True
+    x = x.copy()
+    x[7] *= 1e6  # a padding row with a huge gradient: still nothing
+    want, norms = _reference(params, x, y, 1.0, valid=~pad)
+    for micro in (None, 4):
+        total, aux = _jitted(micro)(params, x, y, 1.0, pad)
+        for k in want:
+            np.testing.assert_allclose(total[k], want[k], rtol=2e-6, atol=1e-6)
+        np.testing.assert_allclose(aux.norms, norms, rtol=1e-6)  # padding norms reported
+
+
+def test_clipped_grad_mean_divides_by_the_rows():
+    params, x, y = _data(2)
+    want, _ = _reference(params, x, y, 0.7)
+    total, _ = _jitted(4, "mean")(params, x, y, 0.7, np.zeros(B, bool))
+    np.testing.assert_allclose(total["w"], want["w"] / B, rtol=2e-6, atol=1e-7)
+
+
+def test_clipped_grad_per_group_clip_norms():
+    params, x, y = _data(3)
+    clip = {"w": 0.8, "b": 0.3}
+    want, norms = _reference(params, x, y, clip, groups=True)
+    total, aux = _jitted(3, groups=True)(params, x, y, clip, np.zeros(B, bool))
+    for k in want:
+        np.testing.assert_allclose(total[k], want[k], rtol=2e-6, atol=1e-6)
+        # |r| itself carries float32 cancellation (w.x + b - y), beyond the norm's 1e-6
+        np.testing.assert_allclose(aux.norms[k], norms[k], rtol=1e-5)
+
+
+def _mlp_loss(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    logits = h @ params["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+
+@pytest.mark.slow  # the float64 formula tests above cover float32 in the default run
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_clipped_grad_equals_whole_batch_vmap(dtype):
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "w1": jax.random.normal(k[0], (6, 16), dtype),
+        "b1": jnp.zeros(16, dtype),
+        "w2": jax.random.normal(k[1], (16, 3), dtype),
+    }
+    x = jax.random.normal(k[2], (24, 6), dtype)
+    y = jax.random.randint(k[3], (24,), 0, 3)
+
+    @jax.jit  # one compiled program for both (eager vmap(grad) dispatches op by op)
+    def both(p, x, y):
+        grads = jax.vmap(jax.grad(_mlp_loss), in_axes=(None, 0, 0))(p, x, y)
+        whole = jaxclip.clip_tree_per_example(grads, 1.0)
+        micro = jaxclip.clipped_grad(
+            _mlp_loss, 1.0, microbatch_size=5, return_norms=True, batch_argnums=(1, 2)
+        )(p, x, y)
+        return whole, micro
+
+    (want, want_norms), (got, aux) = both(params, x, y)
+    # bfloat16: both round one float32 sum once; the sums may differ in the last float32
+    # bits, which can move a rounding to the neighbouring bfloat16 value.
+    rtol = 2e-6 if dtype == jnp.float32 else 2**-7
+    for key in want:
+        assert got[key].dtype == dtype
+        np.testing.assert_allclose(
+            np.asarray(got[key], np.float32), np.asarray(want[key], np.float32),
+            rtol=rtol, atol=rtol * float(jnp.max(jnp.abs(want[key].astype(jnp.float32)))),
+        )  # fmt: skip
+    np.testing.assert_allclose(aux.norms, want_norms, rtol=1e-6)
+
+
+def test_clipped_grad_options_aux_keep_batch_dim_argnums_need_clip():
+    params, x, y = _data(4)
+
+    def batched_loss(p, s, x, y):  # a batch of one: x (1, D); a second differentiated arg
+        r = x @ p["w"] + p["b"] * s - y
+        return 0.5 * jnp.sum(r**2), {"r": r[0]}
+
+    g = jaxclip.clipped_grad(
+        batched_loss, 1e9, argnums=(0, 1), batch_argnums=(2, 3), has_aux=True,
+        keep_batch_dim=True, microbatch_size=4,
+        need_clip=lambda path, leaf: not path.endswith("b"),
+    )  # fmt: skip
+    (gp, gs), aux = g(params, np.float32(1.0), x, y)
+    r = x.astype(np.float64) @ params["w"] + float(params["b"]) - y
+    np.testing.assert_allclose(aux.aux["r"], r, rtol=1e-5)
+    np.testing.assert_allclose(gp["w"], r @ x, rtol=1e-5)
+    np.testing.assert_allclose(gp["b"], r.sum(), rtol=1e-5)  # unselected: summed unclipped
+    np.testing.assert_allclose(gs, float(params["b"]) * r.sum(), rtol=1e-5)
+    assert aux.norms is None and aux.values is None
+
+
+def test_clipped_grad_errors():
+    params, x, y = _data()
+    group = lambda path, leaf: path  # noqa: E731
+    with pytest.raises(ValueError, match="clip_norm has no value for the group label 'b'"):
+        jaxclip.clipped_grad(_linear_loss, {"w": 1.0}, group=group, batch_argnums=(1, 2))(
+            params, x, y
+        )
+    with pytest.raises(ValueError, match=r"label 'v'.*no selected leaf"):
+        jaxclip.clipped_grad(
+            _linear_loss, {"w": 1, "b": 1, "v": 1}, group=group, batch_argnums=(1, 2)
+        )(params, x, y)
+    with pytest.raises(ValueError, match=r"clip_norm\['b'\]=-1.0 must be > 0"):
+        jaxclip.clipped_grad(_linear_loss, {"w": 1.0, "b": -1.0}, group=group)
+    with pytest.raises(ValueError, match="but group is None"):
+        jaxclip.clipped_grad(_linear_loss, {"w": 1.0})
+    with pytest.raises(ValueError, match="overlap"):
+        jaxclip.clipped_grad(_linear_loss, 1.0, argnums=1)
+    with pytest.raises(ValueError, match="argument 2 has 9 rows, but argument 1 has 10"):
+        jaxclip.clipped_grad(_linear_loss, 1.0, batch_argnums=(1, 2))(params, x, y[:9])
+    with pytest.raises(ValueError, match=r"is_padding_example.*shape \(10,\)"):
+        jaxclip.clipped_grad(_linear_loss, 1.0, batch_argnums=(1, 2))(
+            params, x, y, is_padding_example=np.zeros(9, bool)
+        )
+    with pytest.raises(ValueError, match="reduce=None"):
+        jaxclip.clipped_grad(_linear_loss, 1.0, reduce=None)
+    with pytest.raises(ValueError, match="microbatch_size"):
+        jaxclip.clipped_grad(_linear_loss, 1.0, microbatch_size=0)
+
+
+def test_clip_tree_per_example_dict_clip_norm_and_sensitivity_noise():
+    rng = np.random.default_rng(5)
+    g = {"a": rng.normal(size=(6, 3)).astype(np.float32), "b": rng.normal(size=(6, 4)) * 3}
+    g["b"] = g["b"].astype(np.float32)
+    clip = {"a": 0.5, "b": 2.0}
+    group = lambda path, leaf: path  # noqa: E731
+    total, norms = jaxclip.clip_tree_per_example(g, clip, group=group)
+    for k in g:
+        x = g[k].astype(np.float64)
+        n = np.linalg.norm(x, axis=1)
+        np.testing.assert_allclose(norms[k], n, rtol=1e-6)
+        np.testing.assert_allclose(total[k], np.minimum(1, clip[k] / n) @ x, rtol=2e-6)
+    # The noise of clip_per_example: noise_multiplier * sqrt(sum_g c_g**2) on zero grads.
+    zeros = {"a": np.zeros((2, 20000), np.float32), "b": np.zeros((2, 20000), np.float32)}
+    tx = jaxclip.clip_per_example(clip, noise_multiplier=0.7, reduce="sum", group=group)
+    out, _ = tx.update(zeros, tx.init({"a": np.zeros(20000), "b": np.zeros(20000)}))
+    want = 0.7 * math.sqrt(0.5**2 + 2.0**2)
+    for k in out:  # 20000 draws: the sample std is within 1% (about 4 standard errors)
+        assert abs(np.std(np.asarray(out[k])) / want - 1) < 0.02
+
+
+# ---------------------------------------------------------------------------------------
+# adaptive_clip_per_example: TF-Privacy's quantile_adaptive_clip_sum_query_test cases
+
+
+def _run_scripted(records, steps, **kw):
+    tx = jaxclip.adaptive_clip_per_example(reduce="sum", **kw)
+    state = tx.init({"w": jnp.zeros(1)})
+    update = jax.jit(tx.update)
+    grads = {"w": jnp.array([[r] for r in records], jnp.float32)}
+    sums, clips = [], []
+    for _ in range(steps):
+        out, state = update(grads, state)
+        sums.append(float(out["w"][0]))
+        clips.append(float(state.clip_norm))
+    return sums, clips
+
+
+def test_adaptation_target_zero_arithmetic():
+    sums, clips = _run_scripted(
+        [8.5, -7.25], 5, initial_clip_norm=10.0, target_unclipped_quantile=0.0,
+        learning_rate=1.0, geometric_update=False,
+    )  # fmt: skip
+    np.testing.assert_allclose(sums, [1.25, 1.25, 0.75, 0.25, 0.0], atol=1e-6)
+    np.testing.assert_allclose(clips, [9.0, 8.0, 7.5, 7.0, 7.0], atol=1e-6)
+
+
+def test_adaptation_target_zero_geometric():
+    r = 4 / np.sqrt(2.0)
+    sums, clips = _run_scripted(
+        [5.0, -2.5], 5, initial_clip_norm=16.0, target_unclipped_quantile=0.0,
+        learning_rate=np.log(2.0),
+    )  # fmt: skip
+    np.testing.assert_allclose(sums, [2.5, 2.5, 1.5, r - 2.5, 0.0], atol=1e-5)
+    np.testing.assert_allclose(clips, [8.0, 4.0, r, 2.0, 2.0], rtol=1e-6)
+
+
+def test_adaptation_target_one_geometric():
+    r = 2 * np.sqrt(2.0)
+    sums, clips = _run_scripted(
+        [-1.5, 3.0], 5, initial_clip_norm=0.5, target_unclipped_quantile=1.0,
+        learning_rate=np.log(2.0),
+    )  # fmt: skip
+    np.testing.assert_allclose(sums, [0.0, 0.0, 0.5, r - 1.5, 1.5], atol=1e-5)
+    np.testing.assert_allclose(clips, [1.0, 2.0, r, 4.0, 4.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize(("geometric", "start"), [(False, 10.0), (True, 1.0)])
+def test_adaptation_linspace_converges_to_the_median(geometric, start):
+    tx = jaxclip.adaptive_clip_per_example(
+        start, target_unclipped_quantile=0.5, learning_rate=1.0, geometric_update=geometric
+    )
+    records = np.linspace(0.0, 10.0, 21, dtype=np.float32)
+
+    def body(state, _):
+        _, state = tx.update({"w": jnp.asarray(records)[:, None]}, state)
+        return state, state.clip_norm
+
+    _, clips = jax.lax.scan(body, tx.init({"w": jnp.zeros(1)}), None, length=50)
+    assert np.all(np.abs(np.asarray(clips[41:]) - 5.0) < 0.25)
+
+
+def test_adaptive_noise_statistics():
+    # The sum's noise: std noise_multiplier * C (TF's test_sum_with_noise: std 1 around
+    # the sum of two records, clip 5). The count's: b = (count - n/2 + N(0, s^2))/E + 1/2,
+    # so with 30 of 100 unclipped, b ~ N(0.3, (s/E)^2) and log(C'/C) = -lr (b - target).
+    tx = jaxclip.adaptive_clip_per_example(
+        5.0, noise_multiplier=1.0 / 5.0, clipped_count_stddev=5.0, reduce="sum",
+        target_unclipped_quantile=0.5, learning_rate=0.2,
+    )  # fmt: skip
+    norms = np.where(np.arange(100) < 30, 1.0, 9.0).astype(np.float32)
+    grads = {"w": jnp.asarray(norms)[:, None]}
+    state = tx.init({"w": jnp.zeros(1)})
+    keys = jax.random.split(jax.random.key(7), 4000)
+    out, states = jax.jit(jax.vmap(lambda k: tx.update(grads, state._replace(key=k))))(keys)
+    total = np.asarray(out["w"][:, 0], np.float64)
+    want_sum = 30 * 1.0 + 70 * 5.0
+    se = 1 / math.sqrt(4000)
+    assert abs(total.mean() - want_sum) < 4 * se
+    assert abs(total.std() - 1.0) < 4 * se / math.sqrt(2) * 1.5
+    b = np.asarray(states.unclipped_fraction, np.float64)
+    assert abs(b.mean() - 0.3) < 4 * 0.05 * se
+    assert abs(b.std() - 0.05) < 0.05 * 0.05
+    np.testing.assert_allclose(
+        np.asarray(states.clip_norm, np.float64), 5.0 * np.exp(-0.2 * (b - 0.5)), rtol=1e-6
+    )
+    assert len({int(jax.random.key_data(s)[0]) for s in states.key[:50]}) == 50
+
+
+def test_adaptive_with_clipped_grad_equals_per_example_path_and_chains():
+    params, x, y = _data(6)
+    pad = np.zeros(B, bool)
+    pad[-2:] = True
+    kw = dict(target_unclipped_quantile=0.5, learning_rate=0.3, expected_num_records=8.0)
+    tx = optax.chain(jaxclip.adaptive_clip_per_example(1.0, **kw), optax.sgd(0.1))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        c = optax.tree.get(state, "clip_norm")
+        g, aux = jaxclip.clipped_grad(
+            _linear_loss, c, microbatch_size=4, batch_argnums=(1, 2), return_norms=True
+        )(params, x, y, is_padding_example=pad)
+        updates, state = tx.update(g, state, params, norms=aux.norms, is_padding_example=pad)
+        return optax.apply_updates(params, updates), state, g
+
+    per_ex = jaxclip.adaptive_clip_per_example(1.0, reduce="sum", **kw)
+    ref_state = per_ex.init(params)
+    for _ in range(3):
+        c = float(ref_state.clip_norm)
+        want, norms = _reference(params, x, y, c, valid=~pad)
+        new_params, state, g = step(params, state)
+        grads = jax.vmap(jax.grad(_linear_loss), in_axes=(None, 0, 0))(params, x, y)
+        ref_out, ref_state = per_ex.update(grads, ref_state, is_padding_example=pad)
+        for k in want:
+            np.testing.assert_allclose(g[k], want[k], rtol=2e-6, atol=1e-6)
+            np.testing.assert_allclose(ref_out[k], want[k], rtol=2e-6, atol=1e-6)
+            # mean over the 10 rows, then sgd(0.1)
+            np.testing.assert_allclose(new_params[k] - params[k], -0.1 * want[k] / B, atol=1e-6)
+        b = ((norms <= c) & ~pad).sum() - 0.5 * (~pad).sum()
+        b = min(max(b / 8.0 + 0.5, 0.0), 1.0)
+        want_c = c * math.exp(-0.3 * (b - 0.5))
+        np.testing.assert_allclose(optax.tree.get(state, "clip_norm"), want_c, rtol=1e-6)
+        np.testing.assert_allclose(ref_state.clip_norm, want_c, rtol=1e-6)
+        params = new_params
+
+
+def test_adaptive_noise_multiplier_and_errors():
+    z, s = 1.1, 3.0
+    want = 1 / math.sqrt(1 / z**2 - 1 / (2 * s) ** 2)
+    assert jaxclip.adaptive_clip_noise_multiplier(z, s) == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="too small"):
+        jaxclip.adaptive_clip_noise_multiplier(1.0, 0.5)
+    with pytest.raises(ValueError, match=r"target_unclipped_quantile=1\.5"):
+        jaxclip.adaptive_clip_per_example(1.0, target_unclipped_quantile=1.5)
+    with pytest.raises(ValueError, match=r"initial_clip_norm=-1\.0 must be > 0"):
+        jaxclip.adaptive_clip_per_example(-1.0)
+    with pytest.raises(ValueError, match="expected_num_records=0"):
+        jaxclip.adaptive_clip_per_example(1.0, expected_num_records=0)
