@@ -58,6 +58,8 @@ _copy_notebooks()
 
 # The performance guide's tables, from the benchmarks' JSON (docs/_generated/, ignored by git).
 sys.path.insert(0, str(HERE))
+import modes_table  # noqa: E402
 import perf_tables  # noqa: E402
 
 perf_tables.write()
+modes_table.write()  # the modes' table, from jaxclip's registry
