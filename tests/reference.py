@@ -1,5 +1,5 @@
-"""float64 NumPy references for the formulas in README.md ("API": the semantics paragraph;
-"Numerics"), never the code under test; ``RECORDED`` holds the real libraries' outputs that
+"""float64 NumPy references for the formulas of the semantics (docs/guides/numerics.md),
+never the code under test; ``RECORDED`` holds the real libraries' outputs that
 ``tests/reference/record.py`` wrote to ``tests/reference/reference_outputs.json``."""
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ runs this file first; a change to a constant or a comparison of the core fails h
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -144,6 +145,9 @@ def test_powers_and_roots_match_float64():
     np.testing.assert_array_equal(n.exp, [0.0, 1.0, 0.0, 0.0])
     assert arith.acc_dtype(jnp.bfloat16) == np.float32
     assert arith.acc_dtype(np.float64) == arith.acc_dtype(np.complex128) == np.float64
+    f32, f64 = np.ones(2, np.float32), np.ones(2, np.float64)
+    assert arith.result_dtype([f32, f64]) == arith.result_dtype([f64]) == np.float64
+    assert arith.result_dtype([f32, np.ones(2, jnp.bfloat16)]) == np.float32
 
 
 def test_rare_shifts_make_every_term_exact():
@@ -172,7 +176,7 @@ def test_rare_shifts_make_every_term_exact():
 # Norms: every layout of one array per norm type, in one program.
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnums=2)
 def _all_norms(x: jax.Array, small: list[jax.Array], p: float) -> dict:
     return {
         "rows": _norms.slice_norms([x], p, ((1,),))[0].value,
@@ -183,9 +187,6 @@ def _all_norms(x: jax.Array, small: list[jax.Array], p: float) -> dict:
         "few_rows": _norms.per_example_norm_parts([x[:1], x[-8:]][1:], p).value,
         "clipped": _norms.clip_slices([x], p, ((1,),), 1e-3)[1][0],
     }
-
-
-_all_norms = jax.jit(_all_norms.__wrapped__, static_argnums=2)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("p", P_ALL)

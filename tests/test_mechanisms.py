@@ -152,8 +152,8 @@ def _kernel_bodies(fn, tree, shape: str) -> list[str]:
 def test_alike_leaves_share_one_scaling_kernel(mode):
     # XLA:CPU compiles each distinct kernel (~40 ms); optax's alike leaves share theirs.
     # Ours read their factors out of stacked vectors at offsets XLA cannot fold
-    # (_norms._opaque): at constant offsets each leaf's kernel was distinct, 193 of them
-    # on a transformer's clip_by_norm. Large leaves, and small ones in bucket rows.
+    # (_norms.backend.opaque): at constant offsets each leaf's kernel would be distinct.
+    # Large leaves, and small ones in bucket rows.
     tree = {f"w{i}": jnp.ones((128, 160)) for i in range(6)}
     tree |= {f"b{i}": jnp.ones((96,)) for i in range(6)}
     agc = jaxclip.adaptive_clip(0.01)

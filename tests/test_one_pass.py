@@ -1,7 +1,7 @@
 """The single-pass 2-norm (the GPU/TPU strategy, ``_norms.backend.ONE_PASS``) run here on CPU.
 
 On GPU and TPU, 2-norms are Blue's three accumulators in one variadic reduce with no
-``lax.cond``; on CPU the plain sum of squares with a rare path (see ``jaxclip/_norms.py``).
+``lax.cond``; on CPU the plain sum of squares with a rare path (see ``jaxclip/_norms/backend.py``).
 CI has no accelerator, so this module forces the single pass and runs the p=2 cases of
 the differential harness (float64 references, every dtype over its whole range,
 non-finite values, mixed trees, derivatives, vmap, 8 devices) through it, and checks the

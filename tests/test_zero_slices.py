@@ -46,7 +46,7 @@ def _cs(p: float) -> list[float]:
 
 
 def _check(out, norms, x, c: float, p: float, dtype) -> None:
-    # A fractional p magnifies the sum's rounding by 1/p (README, "Error bound").
+    # A fractional p magnifies the sum's rounding by 1/p (docs/guides/numerics.md, the error bound).
     grow = max(1.0, 1 / p)
     want = ref.clip_each(x, c, p, (1,))
     eps = float(jnp.finfo(dtype).eps)
