@@ -381,3 +381,29 @@ def test_vmap_matches_each_example():
         _check(got, ref.norm([ROWS], p, (1,))[:, 0], 3e-6, f"vmap global p={p}")
         got = jax.vmap(lambda r, p=p: _norms.slice_norms([r], p, (None,))[0].value)(x)
         _check(got.reshape(-1), ref.norm([ROWS], p, (1,))[:, 0], 3e-6, f"vmap slices p={p}")
+
+
+# ----------------------------------------------------------------------------------------
+# Backend measures whose wrong choice changes values: long sequential sums, lost NaN.
+
+
+def test_long_fused_sums_stay_accurate():
+    """XLA's fused reduce (float16 leaves) adds sequentially: one pass over 2**21 terms
+    would be ~n/2 ulps off; in blocks the error is that of a short sum."""
+    x = np.full(2**21, 0.1, np.float16)
+    want = ref.norm([x], 2.0)
+    _check(_norms.global_norm([jnp.asarray(x)], 2.0), want, 1e-5, "global, float16")
+    n = _norms.slice_norms([jnp.asarray(x.reshape(2, -1))], 2.0, ((1,),))[0].value
+    _check(n[:, 0], ref.norm([x.reshape(2, -1)], 2.0, (1,))[:, 0], 1e-5, "rows, float16")
+
+
+def test_inf_norms_keep_nan_in_long_leaves():
+    """XLA:CPU's library max of many elements can drop a NaN: maxima take the fused one."""
+    x = np.linspace(-1.0, 1.0, 5000, dtype=np.float32)
+    x[1234] = np.nan
+    for fn in (
+        lambda v: _norms.global_norm([v], math.inf),
+        lambda v: _norms.slice_norms([v], math.inf, (None,))[0].value,
+        lambda v: jaxclip.clip_tree_by_norm(v, 0.5, norm_type=math.inf)[1],
+    ):
+        assert np.isnan(np.asarray(fn(jnp.asarray(x)))).all()
