@@ -407,3 +407,15 @@ def test_inf_norms_keep_nan_in_long_leaves():
         lambda v: jaxclip.clip_tree_by_norm(v, 0.5, norm_type=math.inf)[1],
     ):
         assert np.isnan(np.asarray(fn(jnp.asarray(x)))).all()
+
+
+def test_fused_sums_over_axes_that_are_not_adjacent():
+    """Slices over axes that are not adjacent (0, 2 and 3; 0 and 2) of a float16 leaf
+    (the fused reduce, one run of adjacent axes at a time), and adjacent ones."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(10, 3, 6, 8)).astype(np.float16)
+    for axes in ((0, 2, 3), (0, 2), (1,), (0, 1)):
+        for p in (2.0, 3.0):
+            n = _norms.slice_norms([jnp.asarray(x)], p, (axes,))[0].value
+            want = ref.norm([x], p, axes)
+            _check(n, want, 2e-6, f"axes {axes} p={p}")
