@@ -419,3 +419,36 @@ def test_fused_sums_over_axes_that_are_not_adjacent():
             n = _norms.slice_norms([jnp.asarray(x)], p, (axes,))[0].value
             want = ref.norm([x], p, axes)
             _check(n, want, 2e-6, f"axes {axes} p={p}")
+
+
+def test_backend_choices_follow_their_rules():
+    """The kernel choices are speed and memory measures (values agree either way), so
+    their rules are checked as stated: the rare path's library reduce for 32-bit rows
+    of at least LIBRARY_ROW_MIN trailing elements or a whole leaf; one row at a time for
+    at most one example in ROWS_APART_OF, or up to row bytes / ROW_BYTES_ALONE of the
+    batch, at most three quarters."""
+    from jaxclip._norms import backend
+
+    f32 = jnp.ones((8, 64), jnp.float32)
+    assert not backend.rare_native(f32, False, 2.0, (1,))  # trailing rows of 64: library
+    assert not backend.rare_native(f32, False, 2.0, None)  # whole: library
+    assert backend.rare_native(f32, False, 2.0, (0,))  # leading axis: fused
+    assert backend.rare_native(jnp.ones((8, 63)), False, 2.0, (1,))  # short rows: fused
+    assert backend.rare_native(f32, True, 2.0, (1,))  # a bucket: fused
+    assert backend.rare_native(f32, False, 3.0, (1,))  # not a 2-norm: fused
+    assert backend.rare_native(f32.astype(jnp.bfloat16), False, 2.0, (1,))  # 16-bit: fused
+    assert backend.native(f32, False, p=math.inf) and not backend.native(f32, False)
+    bf16 = f32.astype(jnp.bfloat16)
+    assert not backend.native(bf16, False, p=2.0) and backend.native(bf16, True, p=2.0)
+    assert backend.native(bf16, False, p=1.5) and backend.native(f32.astype(jnp.float16), False)
+    row = backend.ROW_BYTES_ALONE
+
+    def limit(batch: int, row_bytes: int) -> int:
+        return backend.rows_apart_limit([jnp.zeros((batch, row_bytes // 4))], batch)
+
+    assert limit(4, 400) == 1
+    assert limit(64, 400) == 64 // backend.ROWS_APART_OF == 8
+    assert limit(64, row // 4) == 16
+    assert limit(64, 4 * row) == 48
+    assert backend.rows_apart([f32], [()], (8,)) and not backend.rows_apart([f32], [("x",)], (8,))
+    assert not backend.rows_apart([f32], [()], (1,))
