@@ -109,7 +109,7 @@ def barrier(arrays: Sequence[Array], extra: Any = None) -> tuple[list[Array], li
     return out, [None] * len(arrays)
 
 
-def native(x: Array, bucketed: bool, rare: bool = False, p: float = 2.0) -> bool:
+def native(x: Array, bucketed: bool, p: float, rare: bool = False) -> bool:
     """Whether ``x`` is reduced by XLA's own fused reduce (see :func:`reduce`): f16 and
     8-bit leaves, 16-bit buckets, every ``p=inf`` max (XLA:CPU's library max of many
     elements can lose a NaN; the fused one is as fast), and everything on the rare path

@@ -74,14 +74,14 @@ def _single_pass(
 ) -> list[Norm]:
     """Norms with no rare path: ``p=inf`` (maxima), and Blue's one pass for ``p=2``."""
     if p == math.inf:
-        fused = [native(x, b, p=p) for x, b in zip(units, bucketed)]
+        fused = [native(x, b, p) for x, b in zip(units, bucketed)]
         ms, halves = inf_norms(units, axes, fused)
         ms = [pmax(m, c) for m, c in zip(ms, combines)]
         if halves is None:
             return stacked(inf_result, ms)
         return stacked(inf_result, ms, [pmax(h, c) for h, c in zip(halves, combines)])
     parts = [
-        tuple(psum(t, c) for t in blue_sums(x, a, native(x, b, rare=True)))
+        tuple(psum(t, c) for t in blue_sums(x, a, native(x, b, p, rare=True)))
         for x, a, b, c in zip(units, axes, bucketed, combines)
     ]
     return stacked(blue_norm, *(list(q) for q in zip(*parts)))
@@ -117,7 +117,7 @@ def _shifted_by_max(
 ) -> tuple[Array, Array, Array]:
     """The rare parts ``(m, e, t)`` of a unit: its maxima first (all-zero slices need no
     more, and a max pass is the cheaper read), then the sums shifted by them."""
-    fused = native(x, b, rare=True)
+    fused = native(x, b, p, rare=True)
     m = pmax(max_abs(x, a, acc_dtype(x.dtype), fused, parts=True), c)
 
     def parts() -> tuple[Array, Array, Array]:
@@ -257,7 +257,7 @@ def unit_norms_body(
         norms = _single_pass(units, p, axes, bucketed, combines)
         return norms if floor is None else (norms, norms)
     plain = [
-        psum(power_sum(x, p, a, native(x, b, p=p)), c)
+        psum(power_sum(x, p, a, native(x, b, p)), c)
         for x, a, b, c in zip(units, axes, bucketed, combines)
     ]
     # The stacked vectors cross the cond and are split after it: split inside, each
