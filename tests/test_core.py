@@ -452,3 +452,31 @@ def test_backend_choices_follow_their_rules():
     assert limit(64, 4 * row) == 48
     assert backend.rows_apart([f32], [()], (8,)) and not backend.rows_apart([f32], [("x",)], (8,))
     assert not backend.rows_apart([f32], [()], (1,))
+
+
+def test_agc_limits_below_the_floor_bound_are_exact():
+    """AGC's floor (clipping * eps) is at most every limit: a gradient row of norm 3e-10
+    against zero params (limit clipping * eps = 1e-10, below the floor bound) is clipped."""
+    g = {"w": jnp.full((2, 9), 1e-10, jnp.float32)}
+    p = {"w": jnp.zeros((2, 9), jnp.float32)}
+    out = jaxclip.clip_tree_adaptive(g, p, clipping=1e-3, eps=1e-7, axes=1)
+    np.testing.assert_allclose(ref.f64(out["w"]), 1e-10 / 3.0, rtol=2e-6)
+
+
+def test_blue_single_pass_at_every_magnitude():
+    """Blue's pass (GPU/TPU), forced here: its thresholds keep every square normal."""
+    from jaxclip._norms import backend
+
+    x = np.array([[1e-30, 2e-30], [1.0, 2.0], [5e9, 6e9], [1e30, 2e30], [3e38, 2e38]])
+    x = x.astype(np.float32)
+    backend.ONE_PASS = True
+    jax.clear_caches()
+    try:
+        rows = _norms.slice_norms([jnp.asarray(x)], 2.0, ((1,),))[0]
+        total = _norms.global_norm_parts([jnp.asarray(x[:4])], 2.0)
+    finally:
+        backend.ONE_PASS = None
+        jax.clear_caches()
+    got = ref.f64(rows.frac) * 2.0 ** ref.f64(rows.exp)
+    _check(got[:, 0], ref.norm([x], 2.0, (1,))[:, 0], 2e-7, "rows")
+    _check(ref.f64(total.frac) * 2.0 ** ref.f64(total.exp), ref.norm([x[:4]], 2.0), 2e-7, "all")
