@@ -381,6 +381,10 @@ def test_vmap_matches_each_example():
         _check(got, ref.norm([ROWS], p, (1,))[:, 0], 3e-6, f"vmap global p={p}")
         got = jax.vmap(lambda r, p=p: _norms.slice_norms([r], p, (None,))[0].value)(x)
         _check(got.reshape(-1), ref.norm([ROWS], p, (1,))[:, 0], 3e-6, f"vmap slices p={p}")
+    # With a floor (the clip norm), batched too: the batching rule takes its smallest value.
+    clip = jax.vmap(lambda r, c: _norms.clip_slices([r], 2.0, (None,), c)[1][0])
+    got = clip(x, jnp.full(len(ROWS), 1e-3, jnp.float32))
+    _check(got, ref.norm([ROWS], 2.0, (1,))[:, 0], 3e-6, "vmap clip_slices, batched floor")
 
 
 # ----------------------------------------------------------------------------------------
