@@ -149,7 +149,6 @@ def run(m: Mutant, base: pathlib.Path, tests: list[str], then: list[str], timeou
     with tempfile.TemporaryDirectory(prefix="jaxclip-mutant-") as tmp:
         root = pathlib.Path(tmp)
         _copy(root, base)
-        original = (root / m.path).read_text()
         apply(m, root)
         env = {
             **os.environ,
@@ -180,7 +179,6 @@ def run(m: Mutant, base: pathlib.Path, tests: list[str], then: list[str], timeou
                 failed = next((ln for ln in r.stdout.splitlines() if ln.startswith("FAILED")), "")
             except subprocess.TimeoutExpired:  # not counted: slow is not wrong
                 status, failed = "timeout", ""
-        assert original  # the copy is discarded with the directory
         return {
             **m._asdict(),
             "status": status,

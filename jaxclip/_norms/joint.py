@@ -131,18 +131,14 @@ def joint_norm_body(
         return lax.cond(ok, lambda: in_range_norm(s, p), lambda: _shifted(j, units, s, False, ()))
 
     def rare_path() -> Norm:
-        return _batch_rare(j, units, s, ok, shape)
-
-    if rows_apart(units, combines, shape):
-        count = jnp.sum(~ok)  # examples out of range
-        few = count <= rows_apart_limit(units, shape[0])
-
-        def rare_path() -> Norm:
-            return lax.cond(
-                few,
-                lambda: _rows_rare(j, units, s, ok, count),
-                lambda: _batch_rare(j, units, s, ok, shape),
-            )
+        if not rows_apart(units, combines, shape):
+            return _batch_rare(j, units, s, ok, shape)
+        count = jnp.sum(~ok)  # examples out of range: the loop's limit and trip count
+        return lax.cond(
+            count <= rows_apart_limit(units, shape[0]),
+            lambda: _rows_rare(j, units, s, ok, count),
+            lambda: _batch_rare(j, units, s, ok, shape),
+        )
 
     return lax.cond(jnp.all(ok), lambda: in_range_norm(s, p), rare_path)
 

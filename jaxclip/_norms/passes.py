@@ -25,6 +25,7 @@ from jaxclip._norms.arith import (
     power_abs,
     root_norm,
     special,
+    where_norm,
 )
 from jaxclip._norms.backend import Axes, Elem, reduce, variadic_sum
 from jaxclip._norms.devices import one_device
@@ -90,8 +91,7 @@ def inf_result(m: Array, half: Array | None = None) -> Norm:
     if half is None:
         return n
     h = from_root(half, jnp.ones_like(half))
-    over = (m == jnp.inf) & jnp.isfinite(half)
-    return Norm(jnp.where(over, h.frac, n.frac), jnp.where(over, h.exp, n.exp))
+    return where_norm((m == jnp.inf) & jnp.isfinite(half), h, n)
 
 
 class Blue(NamedTuple):

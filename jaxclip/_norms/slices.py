@@ -138,14 +138,22 @@ def _finish(p: float, s: Array, ok: Array, t: Array, m: Array | None = None, e: 
     return where_norm(ok, in_range_norm(s, p), n)
 
 
-def _rare(sums: _Sums, settled: list[Array] | None = None) -> list[Norm]:
-    """The rare path: a unit whose slices are all in range, or which ``settled`` says
-    needs no more (its other slices count 0), keeps its plain norms; the others read
-    their data again, shifted."""
-    p, us = sums.p, sums
-    oks = [in_exact_range(s, acc_dtype(s.dtype)) for s in sums.sums]
+def _in_range_flags(sums: _Sums) -> list[Array]:
+    """Per unit, per slice, whether its plain sum is exact (inside the rare branch only:
+    as operands of the cond they would be kernels run on every call)."""
+    return [in_exact_range(s, acc_dtype(s.dtype)) for s in sums.sums]
+
+
+def _rare(
+    sums: _Sums, oks: list[Array] | None = None, settled: list[Array] | None = None
+) -> list[Norm]:
+    """The rare path: a unit whose slices are all in range (``oks``), or which
+    ``settled`` says needs no more (its other slices count 0), keeps its plain norms;
+    the others read their data again, shifted."""
+    p = sums.p
+    oks = _in_range_flags(sums) if oks is None else oks
     done = settled if settled is not None else [every(ok) for ok in oks]
-    kinds = zip(us.units, us.axes, us.bucketed, us.combines)
+    kinds = zip(sums.units, sums.axes, sums.bucketed, sums.combines)
     if p == 2.0:
         factors = stacked(
             lambda s, ok: shift_factors(sum_shift(s, ok), None, s.dtype, True)[0], sums.sums, oks
@@ -199,15 +207,15 @@ def _floored(sums: _Sums, floor: Array, all_ok: Array, report: str) -> tuple[Any
         # floor is above them; with ``whole``, unless it is settled (no overflow, and
         # each of its leaves has a norm above every small one).
         fines, whole = ops
+        oks = _in_range_flags(sums)
         settled = []
-        for u, s in enumerate(sums.sums):
-            ok = in_exact_range(s, acc_dtype(s.dtype))
+        for u, (s, ok) in enumerate(zip(sums.sums, oks)):
             kept = every(ok | (_low(s) & fine_of(fines, s)))
             if report == "largest":
                 small = jnp.any(_small_leaves(sums, u))
                 kept = jnp.where(whole, ~jnp.any(~(s < jnp.inf)) & ~small, kept)
             settled.append(kept)
-        return _rare(sums, settled)
+        return _rare(sums, oks, settled)
 
     def cheap(ops: Any) -> list[Norm]:
         return [Norm(*(jnp.where(_low(v), 0, h) for h in n)) for v, n in zip(flat, _in_range(sums))]
