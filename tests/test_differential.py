@@ -425,14 +425,18 @@ def _run_core(
     _collect(checks)
 
 
-#: Norm types whose cases run in the slow step only (suite budget): p=3 and p=1.5 cover
-#: integer and fractional p > 2 in the default run.
-SLOW_PS = (7.5, 9.0)
+#: The (dtype, p) pairs of the default run (suite budget): p=2 in every dtype, and float32
+#: at a fractional, an integer and the infinite norm type. The others run in the slow step.
+FAST_CORE = {(name, 2.0) for name in DTYPES} | {("float32", p) for p in (0.5, 3.0, INF)}
+
+
+def _tier(name: str, p: float) -> list:
+    return [] if (name, p) in FAST_CORE else [pytest.mark.slow]
 
 
 def _core_cases():
     for name, p in CORE:
-        marks = [pytest.mark.slow] if p in SLOW_PS else []
+        marks = _tier(name, p)
         for label, m in _magnitudes(name):
             yield pytest.param(name, p, m, id=f"{name}-p{p:g}-{label}", marks=marks)
 
@@ -527,7 +531,10 @@ def _nonfinite_cases():
             if bad == "inf" and name == "float8_e4m3fn":
                 continue  # no inf in this format
             for where in POSITIONS:
-                yield pytest.param(name, p, bad, where, id=f"{name}-p{p:g}-{bad}-{where}")
+                marks = _tier(name, p)
+                yield pytest.param(
+                    name, p, bad, where, id=f"{name}-p{p:g}-{bad}-{where}", marks=marks
+                )
 
 
 @pytest.mark.parametrize("name, p, bad, where", list(_nonfinite_cases()))
@@ -710,7 +717,7 @@ def _fractional_clip(p: float) -> Any:
 
 # Two norm types in the default step, the others in the slow step (suite budget).
 @pytest.mark.parametrize(
-    "p", [*(pytest.param(p, marks=pytest.mark.slow) for p in (0.1, 0.25, 0.9, 2.5)), 0.75, 1.01]
+    "p", [*(pytest.param(p, marks=pytest.mark.slow) for p in (0.1, 0.25, 0.9, 2.5, 1.01)), 0.75]
 )
 def test_fractional_p_bound_at_magnitudes_up_to_1e20(p):
     """Rows of log-normal magnitudes (sigma 4) scaled by 10**[-20, 20]: pow(a, p) =
@@ -959,7 +966,8 @@ def _deriv_cases():
         for s in DERIV_SCALES:
             n = ref.norm([XD * s], p)
             if F32.tiny * 16 < n < F32.max / 4:  # the norm (and 2 n) a normal float32
-                yield pytest.param(p, s, id=f"p{p:g}-{s:g}")
+                marks = [] if s in (1e-37, 1.0, 1e37) else [pytest.mark.slow]  # suite budget
+                yield pytest.param(p, s, id=f"p{p:g}-{s:g}", marks=marks)
         yield pytest.param(p, 0.0, id=f"p{p:g}-zeros")
 
 

@@ -66,7 +66,9 @@ def _jitted(micro, reduce="sum", groups=False):
     return jax.jit(f)
 
 
-@pytest.mark.parametrize("micro", [None, 1, 3, 16])  # whole, 1 row, 3 not dividing 10, > B
+@pytest.mark.parametrize(
+    "micro", [None, 3, *(pytest.param(m, marks=pytest.mark.slow) for m in (1, 16))]
+)  # whole, 1 row, 3 not dividing 10, > B
 def test_clipped_grad_matches_float64_formula(micro):
     params, x, y = _data()
     want, norms = _reference(params, x, y, 1.5)
@@ -202,6 +204,7 @@ def test_clipped_grad_errors():
         jaxclip.clipped_grad(_linear_loss, 1.0, microbatch_size=0)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_clip_tree_per_example_dict_clip_norm_and_sensitivity_noise():
     rng = np.random.default_rng(5)
     g = {"a": rng.normal(size=(6, 3)).astype(np.float32), "b": rng.normal(size=(6, 4)) * 3}
@@ -284,6 +287,7 @@ def test_adaptation_linspace_converges_to_the_median(geometric, start):
     assert np.all(np.abs(np.asarray(clips[41:]) - 5.0) < 0.25)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_adaptive_noise_statistics():
     # The sum's noise: std noise_multiplier * C (TF's test_sum_with_noise: std 1 around
     # the sum of two records, clip 5). The count's: b = (count - n/2 + N(0, s^2))/E + 1/2,

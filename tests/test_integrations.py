@@ -90,6 +90,7 @@ def test_apply_if_finite_skips_nan_steps():
     assert int(state.total_notfinite) == 1
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_checkpoint_roundtrip_gives_the_same_next_step(tmp_path):
     tx = optax.chain(jaxclip.zclip(warmup_steps=3), jaxclip.clip_by_norm(2.0), optax.adamw(0.05))
     params, state, _ = _train(tx, steps=5)

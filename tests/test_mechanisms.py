@@ -220,7 +220,11 @@ def test_sharded_small_leaves_are_not_bucketed():
 @xla_cpu_only
 @pytest.mark.parametrize(
     "dtype",  # float16 takes bfloat16's path (suite margin: it runs in the slow step)
-    [jnp.float32, jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)],
+    [
+        pytest.param(jnp.float32, marks=pytest.mark.slow),
+        jnp.bfloat16,
+        pytest.param(jnp.float16, marks=pytest.mark.slow),
+    ],
 )
 @pytest.mark.parametrize("mode", ["global", "norm"])
 def test_temporaries_bounded_with_buckets(mode, dtype, monkeypatch):

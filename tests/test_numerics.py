@@ -46,7 +46,9 @@ P_QUICK = [2.0, 0.5, math.inf]  # the default, a fractional p, the max; P_ALL ru
         pytest.param(True, P_ALL, id="jit-every-p", marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.parametrize("mode", ["global", "norm", "norm_axes"])
+@pytest.mark.parametrize(
+    "mode", ["global", "norm", pytest.param("norm_axes", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("name, dtype, value, n, c", TABLE, ids=[t[0] for t in TABLE])
 def test_regression_table(name, dtype, value, n, c, mode, jit, ps):
     g = jnp.full((n,), value, dtype)
@@ -315,7 +317,9 @@ def test_complex_leaves_use_modulus():
 
 
 @xla_cpu_only
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("mode", ["global", "norm", "norm_axes", "global_inf", "global_p3"])
 def test_no_upcast_copy_in_temporaries(mode, dtype):
     g = {"a": jnp.ones((512, 512), dtype), "b": jnp.ones((256, 512), dtype)}
@@ -371,7 +375,13 @@ def _blue_fns():
     )
 
 
-@pytest.mark.parametrize("mix", list(BLUE_MIXES))
+@pytest.mark.parametrize(
+    "mix",  # two mixes in the default run (suite budget), every mix in the slow step
+    [
+        m if m in ("all-three", "small-only") else pytest.param(m, marks=pytest.mark.slow)
+        for m in BLUE_MIXES
+    ],
+)
 def test_three_accumulator_rare_path_is_exact(mix):
     rng = np.random.default_rng(1)
     parts = [m * rng.uniform(0.5, 1.0, n) * rng.choice([-1.0, 1.0], n) for m, n in BLUE_MIXES[mix]]

@@ -381,6 +381,7 @@ def _scan_run(case_id: str) -> ScanRun:
 
 
 @each_transform
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_state_carries_through_scan(case):
     run = _scan_run(case.id)
     for i, spec in enumerate(run.specs[1:]):

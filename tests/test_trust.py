@@ -76,7 +76,9 @@ def test_float8_e8m0fnu_leaves_are_not_zero_padded():
     np.testing.assert_allclose(float(jaxclip.clip_tree_by_norm(x, 100.0)[1]), math.sqrt(65))
 
 
-@pytest.mark.parametrize("p", [0.5, 1.5, 7.5, 9.0])
+@pytest.mark.parametrize(
+    "p", [0.5, *(pytest.param(p, marks=pytest.mark.slow) for p in (1.5, 7.5, 9.0))]
+)
 def test_nan_propagates_for_every_norm_type(p):
     g = {"w": jnp.array([1.0, jnp.nan, 1.0])}
     assert np.isnan(jaxclip.global_norm(g, p))
@@ -246,7 +248,7 @@ def test_traced_value_bounds_that_cross_give_max():
         pytest.param(0.5, marks=pytest.mark.slow),
         pytest.param(1.0, marks=pytest.mark.slow),
         3.0,
-        100.0,
+        pytest.param(100.0, marks=pytest.mark.slow),
         pytest.param(math.inf, marks=pytest.mark.slow),
     ],
 )

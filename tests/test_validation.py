@@ -474,6 +474,7 @@ def _assert_no_shared_buffers(state):
 
 
 @pytest.mark.parametrize("name, make", TRANSFORMS, ids=_ids(TRANSFORMS))
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_state_is_donatable(name, make):
     tx = make()
     update = jax.jit(tx.update, donate_argnums=(1,))

@@ -69,8 +69,18 @@ def _jitted(p: float, clipped_only: bool):
 
 @pytest.mark.parametrize(
     "p, dtype",
-    [(p, jnp.float32) for p in (0.5, 1.0, 2.0, 3.0, math.inf)]
-    + [(2.0, jnp.bfloat16), (2.0, jnp.float16), (3.0, jnp.bfloat16)],
+    [(2.0, jnp.float32), (3.0, jnp.bfloat16)]  # the default run; the rest run slow
+    + [
+        pytest.param(p, dtype, marks=pytest.mark.slow)
+        for p, dtype in [
+            (0.5, jnp.float32),
+            (1.0, jnp.float32),
+            (3.0, jnp.float32),
+            (math.inf, jnp.float32),
+            (2.0, jnp.bfloat16),
+            (2.0, jnp.float16),
+        ]
+    ],
 )
 def test_zero_and_tiny_rows_match_float64_in_every_mode(p, dtype):
     big = 1e3 if dtype == jnp.float16 else 1e30
@@ -128,6 +138,7 @@ def test_scan_matches_the_plain_call():
     _check(ys[1], None, -x, 1.0, 2.0, jnp.float32)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_transform_state_keeps_each_leafs_exact_largest_norm():
     x = _rows(np.float32)
     tiny = np.full((6, 5), 1e-25, np.float32)
@@ -148,6 +159,7 @@ def test_transform_state_keeps_each_leafs_exact_largest_norm():
             _check(updates[k], None, v, 1.0, 2.0, jnp.float32)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_transform_state_of_bucketed_small_leaves_is_exact():
     rng = np.random.default_rng(2)
     tree = {f"w{i}": rng.normal(size=(3, 4)).astype(np.float32) for i in range(40)}
