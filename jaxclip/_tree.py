@@ -152,12 +152,19 @@ class Selection:
             leaves[i] = new
         return self.treedef.unflatten(leaves)
 
-    def per_leaf(self, values: Sequence[Any]) -> PyTree:
-        """A tree of the gradients' structure: ``values`` at selected leaves, None elsewhere."""
-        leaves: list[Any] = [None] * len(self.leaves)
+    def per_leaf(self, values: Sequence[Any], fill: Any = None) -> PyTree:
+        """A tree of the gradients' structure: ``values`` at selected leaves, ``fill``
+        elsewhere (states use ``optax.MaskedNode()``, as ``optax.masked`` does)."""
+        leaves: list[Any] = [fill] * len(self.leaves)
         for i, v in zip(self.indices, values, strict=True):
             leaves[i] = v
         return self.treedef.unflatten(leaves)
+
+
+def is_params_placeholder(params: Any) -> bool:
+    """Whether ``params`` is the stand-in ``optax.tree_map_params`` passes to ``init`` to
+    find which state fields are trees of parameters (it has no public name)."""
+    return type(params).__name__ == "_ParamsPlaceholder"
 
 
 def _mask_entries(mask: PyTree, tree: PyTree, gpaths: list[tuple[Any, ...]]) -> list[bool]:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxclip import _checks, _norms, _tree
+from jaxclip import _axes, _checks, _norms, _tree
 from jaxclip._checks import Axes, NormType, StaticInt
 
 Array = jax.Array
@@ -41,7 +41,7 @@ def adaptive_clip(
     *,
     axes: Axes = None,
     need_clip: _tree.NeedClip = None,
-    axis_name: _norms.AxisName = None,
+    axis_name: _axes.AxisNames = None,
 ) -> optax.GradientTransformation:
     """Adaptive Gradient Clipping: each unit's gradient norm is clipped to
     ``clipping * max(||param unit||, eps)``.
@@ -92,6 +92,7 @@ def adaptive_clip(
     _checks.check_eps(eps, "adaptive_clip")
     _checks.check_axes_range(axes, "adaptive_clip")
     _checks.check_need_clip(need_clip, "adaptive_clip")
+    _axes.check(axis_name, "adaptive_clip")
 
     def clip(updates: PyTree, params: PyTree | None = None) -> PyTree:
         if params is None:
@@ -113,7 +114,7 @@ def clip_tree_adaptive(
     *,
     axes: Axes = None,
     need_clip: _tree.NeedClip = None,
-    axis_name: _norms.AxisName = None,
+    axis_name: _axes.AxisNames = None,
 ) -> PyTree:
     """Clips each unit of ``tree`` to ``clipping * max(||unit of params||, eps)`` (AGC).
 
@@ -163,7 +164,8 @@ def clip_tree_adaptive(
         for g, path in zip(gs, sel.chosen_paths)
     ]
     paths = tuple(sel.chosen_paths)
-    return sel.rebuild(_agc(gs, ps, tuple(leaf_axes), clipping, eps, axis_name, paths))
+    names = _axes.resolve(axis_name, sel, "adaptive_clip")
+    return sel.rebuild(_agc(gs, ps, tuple(leaf_axes), clipping, eps, names, paths))
 
 
 @functools.partial(jax.jit, static_argnames=("axes", "axis_name", "paths"))
@@ -231,6 +233,7 @@ def auto_clip(
     *,
     window: StaticInt = _WINDOW,
     need_clip: _tree.NeedClip = None,
+    axis_name: _axes.AxisNames = None,
     clip_percentile: float | None = None,
     history_size: StaticInt | None = None,
 ) -> optax.GradientTransformation:
@@ -253,6 +256,11 @@ def auto_clip(
       percentile: in ``(0, 100]``; 10 is the paper's default.
       window: how many past norms are kept.
       need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+      axis_name: the mapped axes the global norm is combined over: not needed under
+        ``jit`` nor inside ``shard_map`` (each leaf over the mesh axes it varies
+        across); under ``pmap`` or ``shard_map(check_vma=False)`` the axes the leaves
+        are split over, per leaf where they differ (see :func:`jaxclip.clip_by_norm`).
+        Every device then holds the same state.
       clip_percentile: the reference implementation's name of ``percentile``.
       history_size: the TensorFlow port's name of ``window``.
 
@@ -281,6 +289,7 @@ def auto_clip(
         window, "window" if history_size is None else "history_size", "auto_clip"
     )
     _checks.check_need_clip(need_clip, "auto_clip")
+    _axes.check(axis_name, "auto_clip")
 
     def init_fn(params: PyTree) -> AutoClipState:
         del params
@@ -294,7 +303,7 @@ def auto_clip(
 
     def update_fn(updates: PyTree, state: AutoClipState, params: Any = None):
         del params
-        sel, xs, norm, parts = _selected(updates, need_clip)
+        sel, xs, norm, parts = _selected(updates, need_clip, axis_name, "auto_clip")
         finite = jnp.isfinite(norm)
         history = jnp.where(
             finite, state.history.at[state.finite_count % window].set(norm), state.history
@@ -339,6 +348,7 @@ def _history_clip(
     history_length: int,
     global_threshold: bool,
     need_clip: _tree.NeedClip,
+    axis_name: _axes.AxisNames,
 ) -> optax.GradientTransformation:
     """The autoclip package's clippers: each norm (the global one, or each leaf's) clipped
     at ``statistic(history, level)`` of its earlier finite norms, then recorded."""
@@ -366,15 +376,21 @@ def _history_clip(
                 f"jaxclip: the state has a history for {state.norm.shape[0]} leaves but the "
                 f"updates select {len(xs)}; init with params of the updates' structure."
             )
-        out, state = _history_step(xs, state, level, statistic, global_threshold)
+        names = _axes.resolve(axis_name, sel, "quantile_clip/standard_clip")
+        out, state = _history_step(xs, state, level, statistic, global_threshold, names)
         return sel.rebuild(out), state
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-@functools.partial(jax.jit, static_argnames=("statistic", "global_threshold"))
+@functools.partial(jax.jit, static_argnames=("statistic", "global_threshold", "axis_name"))
 def _history_step(
-    xs: list[Array], state: HistoryClipState, level: Any, statistic: Any, global_threshold: bool
+    xs: list[Array],
+    state: HistoryClipState,
+    level: Any,
+    statistic: Any,
+    global_threshold: bool,
+    axis_name: _norms.AxisName,
 ) -> tuple[list[Array], HistoryClipState]:
     """One step of :func:`_history_clip` (one compiled call, so an eager update costs one
     dispatch)."""
@@ -382,11 +398,12 @@ def _history_step(
     # The threshold comes from the earlier norms only; none yet: no clipping.
     threshold = jnp.where(count > 0, statistic(state.history, count, level), jnp.inf)
     if global_threshold:
-        parts = _norms.global_norm_parts(xs, 2.0)
+        parts = _norms.global_norm_parts(xs, 2.0, axis_name=axis_name)
         norm = parts.value.astype(jnp.float32)
         out = _norms.clip_joint(xs, parts, threshold)
     else:
-        leaf_norms = _norms.slice_norms(xs, 2.0, (None,) * len(xs)) if xs else []
+        whole = (None,) * len(xs)
+        leaf_norms = _norms.slice_norms(xs, 2.0, whole, axis_name=axis_name) if xs else []
         values = [n.value.reshape(()).astype(jnp.float32) for n in leaf_norms]
         norm = jnp.stack(values) if values else jnp.zeros((0,), jnp.float32)
         out = _norms.clip_each(xs, leaf_norms, [threshold[k] for k in range(len(xs))])
@@ -421,6 +438,7 @@ def quantile_clip(
     *,
     global_threshold: bool = False,
     need_clip: _tree.NeedClip = None,
+    axis_name: _axes.AxisNames = None,
 ) -> optax.GradientTransformation:
     """The autoclip package's ``QuantileClip``: each parameter's gradient (or, with
     ``global_threshold=True``, all of them together) clipped at a quantile of its own
@@ -442,6 +460,11 @@ def quantile_clip(
       global_threshold: clip the global norm at a quantile of the global norms' history
         (the reference's option of that name); False (the default) clips each leaf.
       need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+      axis_name: the mapped axes the global norm is combined over: not needed under
+        ``jit`` nor inside ``shard_map`` (each leaf over the mesh axes it varies
+        across); under ``pmap`` or ``shard_map(check_vma=False)`` the axes the leaves
+        are split over, per leaf where they differ (see :func:`jaxclip.clip_by_norm`).
+        Every device then holds the same state.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`HistoryClipState`.
@@ -465,7 +488,8 @@ def quantile_clip(
     n = _checks.static_size(history_length, "history_length", "quantile_clip")
     global_threshold = _checks.check_flag(global_threshold, "global_threshold", "quantile_clip")
     _checks.check_need_clip(need_clip, "quantile_clip")
-    return _history_clip(_quantile, quantile, n, global_threshold, need_clip)
+    _axes.check(axis_name, "quantile_clip")
+    return _history_clip(_quantile, quantile, n, global_threshold, need_clip, axis_name)
 
 
 def standard_clip(
@@ -474,6 +498,7 @@ def standard_clip(
     *,
     global_threshold: bool = False,
     need_clip: _tree.NeedClip = None,
+    axis_name: _axes.AxisNames = None,
 ) -> optax.GradientTransformation:
     """The autoclip package's ``StandardClip``: each parameter's gradient (or, with
     ``global_threshold=True``, all of them together) clipped at ``deviations`` times the
@@ -493,6 +518,11 @@ def standard_clip(
       global_threshold: clip the global norm against the global norms' history; False
         (the default) clips each leaf.
       need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+      axis_name: the mapped axes the global norm is combined over: not needed under
+        ``jit`` nor inside ``shard_map`` (each leaf over the mesh axes it varies
+        across); under ``pmap`` or ``shard_map(check_vma=False)`` the axes the leaves
+        are split over, per leaf where they differ (see :func:`jaxclip.clip_by_norm`).
+        Every device then holds the same state.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`HistoryClipState`.
@@ -514,18 +544,19 @@ def standard_clip(
     n = _checks.static_size(history_length, "history_length", "standard_clip")
     global_threshold = _checks.check_flag(global_threshold, "global_threshold", "standard_clip")
     _checks.check_need_clip(need_clip, "standard_clip")
-    return _history_clip(_std_threshold, deviations, n, global_threshold, need_clip)
+    _axes.check(axis_name, "standard_clip")
+    return _history_clip(_std_threshold, deviations, n, global_threshold, need_clip, axis_name)
 
 
 def _selected(
-    updates: PyTree, need_clip: _tree.NeedClip, p: float = 2.0
+    updates: PyTree, need_clip: _tree.NeedClip, axis_name: _axes.AxisNames, fn: str
 ) -> tuple[_tree.Selection, list[Array], Array, _norms.Norm]:
     """The selection, its leaves as arrays, and their global p-norm: as a float32 value
     (for the statistics) and exactly (for the scaling: a finite tree whose norm overflows
     float32 is still clipped, not zeroed)."""
     sel = _tree.select(updates, need_clip, what="adaptive clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
-    parts = _norms.global_norm_parts(xs, p)
+    parts = _norms.global_norm_parts(xs, 2.0, axis_name=_axes.resolve(axis_name, sel, fn))
     return sel, xs, parts.value.astype(jnp.float32), parts
 
 
@@ -564,6 +595,7 @@ def zclip(
     skip_update_on_spike: bool = False,
     *,
     need_clip: _tree.NeedClip = None,
+    axis_name: _axes.AxisNames = None,
     max_norm: Any = _UNSET,
 ) -> optax.GradientTransformation:
     """ZClip: clips global-norm spikes detected against moving statistics of the norm.
@@ -612,6 +644,11 @@ def zclip(
       clip_factor: multiplies the adaptive-scaling threshold, > 0.
       skip_update_on_spike: leave the statistics as they are on a spike.
       need_clip: which leaves take part (see :func:`jaxclip.clip_by_value`).
+      axis_name: the mapped axes the global norm is combined over: not needed under
+        ``jit`` nor inside ``shard_map`` (each leaf over the mesh axes it varies
+        across); under ``pmap`` or ``shard_map(check_vma=False)`` the axes the leaves
+        are split over, per leaf where they differ (see :func:`jaxclip.clip_by_norm`).
+        Every device then holds the same state.
       max_norm: the former name of ``max_grad_norm``.
 
     Returns:
@@ -644,6 +681,7 @@ def zclip(
     warmup_steps = _checks.static_size(warmup_steps, "warmup_steps", "zclip")
     skip_update_on_spike = _checks.check_flag(skip_update_on_spike, "skip_update_on_spike", "zclip")
     _checks.check_need_clip(need_clip, "zclip")
+    _axes.check(axis_name, "zclip")
     mode = _checks.check_choice(mode, "mode", ("zscore", "percentile"), "zclip")
     clip_option = _checks.check_choice(
         clip_option, "clip_option", ("adaptive_scaling", "mean"), "zclip"
@@ -668,7 +706,7 @@ def zclip(
 
     def update_fn(updates: PyTree, state: ZClipState, params: Any = None):
         del params
-        sel, xs, norm, parts = _selected(updates, need_clip)
+        sel, xs, norm, parts = _selected(updates, need_clip, axis_name, "zclip")
         finite = jnp.isfinite(norm)
         warming = state.finite_count < warmup_steps
         std = jnp.sqrt(state.var)
@@ -737,6 +775,7 @@ def skip_large_updates(
     max_consecutive_errors: int | None = None,
     norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
+    axis_name: _axes.AxisNames = None,
 ) -> optax.GradientTransformation:
     """Skips steps whose incoming global norm is above ``threshold`` or non-finite.
 
@@ -765,6 +804,11 @@ def skip_large_updates(
         applied, an int >= 0 (may be traced), or None to never apply a bad step.
       norm_type: ``p > 0`` or ``float('inf')``.
       need_clip: which leaves count towards the norm (see :func:`jaxclip.clip_by_value`).
+      axis_name: the mapped axes the global norm is combined over: not needed under
+        ``jit`` nor inside ``shard_map`` (each leaf over the mesh axes it varies
+        across); under ``pmap`` or ``shard_map(check_vma=False)`` the axes the leaves
+        are split over, per leaf where they differ (see :func:`jaxclip.clip_by_norm`).
+        Every device then holds the same state.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`SkipLargeUpdatesState`.
@@ -789,6 +833,7 @@ def skip_large_updates(
         )
     _checks.check_threshold(threshold, "skip_large_updates")
     _checks.check_need_clip(need_clip, "skip_large_updates")
+    _axes.check(axis_name, "skip_large_updates")
     p = _checks.check_norm_type(norm_type)
     if max_consecutive_errors is not None:
         _checks.check_count(max_consecutive_errors, "max_consecutive_errors", "skip_large_updates")
@@ -805,7 +850,8 @@ def skip_large_updates(
 
     def update_fn(updates: PyTree, state: SkipLargeUpdatesState, params: Any = None, **extra: Any):
         sel = _tree.select(updates, need_clip, what="spike skipping")
-        parts = _norms.global_norm_parts([jnp.asarray(x) for x in sel.chosen], p)
+        names = _axes.resolve(axis_name, sel, "skip_large_updates")
+        parts = _norms.global_norm_parts([jnp.asarray(x) for x in sel.chosen], p, axis_name=names)
         norm = parts.value.astype(jnp.float32)
         # Finite from frac: a finite norm beyond float32's range is inf as a value but is
         # not an error (it is over any finite threshold, and applied with threshold=inf).

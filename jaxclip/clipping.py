@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxclip import _checks, _errors, _norms, _tree
+from jaxclip import _axes, _checks, _errors, _norms, _tree
 from jaxclip._checks import Axes, NormType
 
 Array = jax.Array
@@ -40,7 +40,8 @@ class ClipByNormState(NamedTuple):
 
     Attributes:
       norms: a tree of the updates' structure: per selected leaf, the largest pre-clip
-        norm of its slices (float32 scalar); None at leaves that are not selected.
+        norm of its slices (float32 scalar, the same on every device); ``optax.MaskedNode()``
+        at leaves that are not selected, as in ``optax.masked``'s states.
         Exact at any magnitude: a leaf whose every slice is all zeros or tiny (a frozen
         leaf) is read once more to tell 0 from underflow; zero slices beside a larger
         one (unused embedding rows) are not.
@@ -68,7 +69,7 @@ def global_norm(
     norm_type: NormType = _checks.L2,
     *,
     need_clip: _tree.NeedClip = None,
-    axis_name: _norms.AxisName = None,
+    axis_name: _axes.AxisNames = None,
 ) -> Array:
     """The p-norm of all selected leaves of ``tree`` together.
 
@@ -82,7 +83,9 @@ def global_norm(
       axis_name: not needed under ``jit`` (sharded arrays) nor inside ``shard_map``,
         where each leaf's partial norm is combined over exactly the mesh axes it varies
         across; give it under ``pmap`` (or ``shard_map(check_vma=False)``) to name the
-        mapped axes the leaves are split over, or ``()`` to combine nothing.
+        mapped axes the leaves are split over, or ``()`` to combine nothing. Per leaf
+        (a tree that mixes split and replicated leaves under ``pmap``): a tree of them,
+        a rule ``axis_name(path, leaf)``, or the leaves' ``PartitionSpec``.
 
     Returns:
       A scalar (float32, or float64 when a leaf is float64).
@@ -96,7 +99,8 @@ def global_norm(
     """
     p = _checks.check_norm_type(norm_type)
     sel = _tree.select(tree, need_clip, what="a global norm")
-    return _norms.global_norm([jnp.asarray(x) for x in sel.chosen], p, axis_name=axis_name)
+    names = _axes.resolve(axis_name, sel, "global_norm")
+    return _norms.global_norm([jnp.asarray(x) for x in sel.chosen], p, axis_name=names)
 
 
 def clip_tree_by_value(
@@ -189,7 +193,7 @@ def clip_tree_by_norm(
     norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
     error_if_nonfinite: bool = False,
-    axis_name: _norms.AxisName = None,
+    axis_name: _axes.AxisNames = None,
 ) -> tuple[PyTree, PyTree]:
     """Scales each selected leaf (or each slice over ``axes``) to norm at most ``clip_norm``.
 
@@ -232,7 +236,7 @@ def _clip_tree_by_norm(
     norm_type: NormType,
     need_clip: _tree.NeedClip,
     error_if_nonfinite: bool,
-    axis_name: _norms.AxisName,
+    axis_name: _axes.AxisNames,
     report: str,
 ) -> tuple[PyTree, PyTree]:
     """:func:`clip_tree_by_norm`; with ``report="largest"`` the norms are exact only as
@@ -246,19 +250,18 @@ def _clip_tree_by_norm(
     sel = _tree.select(tree, need_clip, what="norm clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
     leaf_axes = [_checks.leaf_axes(axes_t, x, path) for x, path in zip(xs, sel.chosen_paths)]
+    names = _axes.resolve(axis_name, sel, "clip_tree_by_norm")
+    paths = tuple(sel.chosen_paths)
     clipped, norms = _norms.clip_slices(
-        xs,
-        p,
-        tuple(leaf_axes),
-        clip_norm,
-        axis_name=axis_name,
-        paths=tuple(sel.chosen_paths),
-        report=report,
+        xs, p, tuple(leaf_axes), clip_norm, axis_name=names, paths=paths, report=report
     )
     if error_if_nonfinite:
         _errors.raise_if_nonfinite(
             norms, [f"norm of the leaf at {_tree.shown(path)}" for path in sel.chosen_paths]
         )
+    if report == "largest":  # the transform's state: one replicated value per leaf
+        norms = _norms.largest(xs, norms, tuple(leaf_axes), names, paths)
+        return sel.rebuild(clipped), sel.per_leaf(norms, optax.MaskedNode())
     return sel.rebuild(clipped), sel.per_leaf(norms)
 
 
@@ -268,7 +271,7 @@ def clip_tree_by_global_norm(
     *,
     norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
-    axis_name: _norms.AxisName = None,
+    axis_name: _axes.AxisNames = None,
     use_norm: ArrayLike | None = None,
     error_if_nonfinite: bool = False,
     group: Callable[[str, Any], Hashable] | _tree.Selector | None = None,
@@ -286,7 +289,9 @@ def clip_tree_by_global_norm(
       axis_name: not needed under ``jit`` (sharded arrays) nor inside ``shard_map``,
         where each leaf's partial norm is combined over exactly the mesh axes it varies
         across; give it under ``pmap`` (or ``shard_map(check_vma=False)``) to name the
-        mapped axes the leaves are split over, or ``()`` to combine nothing.
+        mapped axes the leaves are split over, or ``()`` to combine nothing. Per leaf
+        (a tree that mixes split and replicated leaves under ``pmap``): a tree of them,
+        a rule ``axis_name(path, leaf)``, or the leaves' ``PartitionSpec``.
       use_norm: a global norm computed already (as in TensorFlow); it is used as is.
       error_if_nonfinite: raise if the global norm is inf or NaN (a host sync per call).
       group: a callable ``group(path, leaf) -> label``: each label's leaves are clipped
@@ -313,6 +318,7 @@ def clip_tree_by_global_norm(
     )
     sel = _tree.select(tree, need_clip, what="global-norm clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
+    names = _axes.resolve(axis_name, sel, "clip_tree_by_global_norm")
     if group is not None:
         if use_norm is not None:
             raise ValueError(
@@ -322,7 +328,8 @@ def clip_tree_by_global_norm(
         norms, clipped = {}, list(xs)
         for label in labels:
             members = [i for i, lab in enumerate(per_leaf) if lab == label]
-            n = _norms.global_norm_parts([xs[i] for i in members], p, axis_name=axis_name)
+            group_names = _norms.leaves_axes(names, members)
+            n = _norms.global_norm_parts([xs[i] for i in members], p, axis_name=group_names)
             if error_if_nonfinite:
                 _errors.raise_if_nonfinite([n.value], [f"global norm of group {label!r}"])
             for i, x in zip(members, _norms.clip_joint([xs[i] for i in members], n, clip_norm)):
@@ -330,7 +337,7 @@ def clip_tree_by_global_norm(
             norms[label] = n.value
         return sel.rebuild(clipped), norms
     if use_norm is None:
-        parts = _norms.global_norm_parts(xs, p, axis_name=axis_name)
+        parts = _norms.global_norm_parts(xs, p, axis_name=names)
     else:
         _checks.check_use_norm(use_norm, "clip_tree_by_global_norm")
         parts = _norms.as_norm(jnp.asarray(use_norm, _norms.result_dtype(xs)))
@@ -430,11 +437,6 @@ def clip_by_value(
     return optax.stateless(clip)
 
 
-def _largest(norms: Array) -> Array:
-    """The largest of a leaf's slice norms (NaN if one is), as the state's float32."""
-    return _norms.max_keeping_nan(norms).astype(jnp.float32)
-
-
 def clip_by_norm(
     clip_norm: ArrayLike,
     *,
@@ -442,7 +444,7 @@ def clip_by_norm(
     norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
     error_if_nonfinite: bool = False,
-    axis_name: _norms.AxisName = None,
+    axis_name: _axes.AxisNames = None,
 ) -> optax.GradientTransformation:
     """Scales each update leaf (or each slice over ``axes``) to norm at most ``clip_norm``.
 
@@ -466,7 +468,11 @@ def clip_by_norm(
         leaf's norm is combined over the mesh axes the leaf varies across; a per-slice
         norm (``axes``) of a leaf split across devices needs the mesh axes that split
         its *reduced* dimensions (``()`` if every slice is whole on each device), else a
-        ValueError naming the leaf. Under ``pmap``: the mapped axis name(s).
+        ValueError naming the leaf. Under ``pmap``: the mapped axis name(s). For a tree
+        that mixes layouts, one entry per leaf: a tree of them (a prefix of the
+        updates), a rule ``axis_name(path, leaf)``, or the leaves' ``PartitionSpec``
+        (shard_map's ``in_specs``), which says which axes split the reduced and which
+        the kept dimensions; the state's largest norms are the same on every device.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is :class:`ClipByNormState`.
@@ -490,10 +496,16 @@ def clip_by_norm(
     _checks.check_axes_range(axes, "clip_by_norm")
     _checks.check_flag(error_if_nonfinite, "error_if_nonfinite", "clip_by_norm")
     _checks.check_need_clip(need_clip, "clip_by_norm")
+    _axes.check(axis_name, "clip_by_norm")
 
     def init_fn(params: PyTree) -> ClipByNormState:
+        if _tree.is_params_placeholder(params):
+            # A scalar per leaf, not a tree of parameters: optax.tree_map_params then
+            # maps the field with transform_non_params (a replicated sharding), not f.
+            return ClipByNormState(jnp.zeros((), jnp.float32))
         sel = _tree.select(params, need_clip, what="norm clipping")
-        return ClipByNormState(sel.per_leaf([jnp.zeros((), jnp.float32) for _ in sel.indices]))
+        zeros = [jnp.zeros((), jnp.float32) for _ in sel.indices]
+        return ClipByNormState(sel.per_leaf(zeros, optax.MaskedNode()))
 
     def update_fn(updates: PyTree, state: ClipByNormState, params: Any = None):
         del params
@@ -502,7 +514,7 @@ def clip_by_norm(
         clipped, norms = _clip_tree_by_norm(
             updates, clip_norm, axes, norm_type, need_clip, error_if_nonfinite, axis_name, "largest"
         )
-        largest = jax.tree.map(_largest, norms)
+        largest = norms
         if isinstance(state, ClipByNormState):
             _tree.check_same_selection(
                 list(_tree.leaves_by_path(state.norms)),
@@ -519,7 +531,7 @@ def clip_by_global_norm(
     *,
     norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
-    axis_name: _norms.AxisName = None,
+    axis_name: _axes.AxisNames = None,
     error_if_nonfinite: bool = False,
     group: Callable[[str, Any], Hashable] | _tree.Selector | None = None,
 ) -> optax.GradientTransformation:
@@ -544,7 +556,9 @@ def clip_by_global_norm(
       axis_name: not needed under ``jit`` (sharded arrays) nor inside ``shard_map``,
         where each leaf's partial norm is combined over exactly the mesh axes it varies
         across; give it under ``pmap`` (or ``shard_map(check_vma=False)``) to name the
-        mapped axes the leaves are split over, or ``()`` to combine nothing.
+        mapped axes the leaves are split over, or ``()`` to combine nothing. Per leaf
+        (a tree that mixes split and replicated leaves under ``pmap``): a tree of them,
+        a rule ``axis_name(path, leaf)``, or the leaves' ``PartitionSpec``.
       error_if_nonfinite: raise, also under ``jit``, when the global norm is inf or NaN;
         costs a device-to-host transfer and a sync per step. Catch
         ``jax.errors.JaxRuntimeError`` (see :class:`~jaxclip.NonFiniteNormError`).
@@ -578,6 +592,7 @@ def clip_by_global_norm(
     _checks.check_callable(group, "group", "clip_by_global_norm", "group(path, leaf) -> label")
     _checks.check_flag(error_if_nonfinite, "error_if_nonfinite", "clip_by_global_norm")
     _checks.check_need_clip(need_clip, "clip_by_global_norm")
+    _axes.check(axis_name, "clip_by_global_norm")
 
     def init_fn(params: PyTree) -> ClipByGlobalNormState:
         if group is None:

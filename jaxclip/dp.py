@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxclip import _checks, _tree, per_example
+from jaxclip import _axes, _checks, _norms, _tree, per_example
 from jaxclip._checks import NormType
 from jaxclip.per_example import Group, Reduce
 
@@ -403,6 +403,7 @@ def adaptive_clip_per_example(
     seed: int | Array = 0,
     norm_type: NormType = _checks.L2,
     need_clip: _tree.NeedClip = None,
+    axis_name: _axes.AxisNames = None,
 ) -> optax.GradientTransformationExtraArgs:
     """DP-SGD's aggregation with a clip norm that follows a quantile of the norms, privately.
 
@@ -448,6 +449,10 @@ def adaptive_clip_per_example(
       seed: an int, or a ``jax.random`` key, for the noise.
       norm_type: ``p > 0`` or ``float('inf')``.
       need_clip: which leaves are clipped and noised (see :func:`clip_tree_per_example`).
+      axis_name: inside ``shard_map``, the mesh axes that split the leaves' non-batch
+        dimensions (see :func:`clip_tree_per_example`). Where the batch is split across
+        devices (data parallel) the unclipped count is summed over them, so every
+        device updates ``C`` alike.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -484,6 +489,7 @@ def adaptive_clip_per_example(
     _checks.check_flag(geometric_update, "geometric_update", fn)
     _checks.check_seed(seed, fn)
     _checks.check_need_clip(need_clip, fn)
+    _axes.check(axis_name, fn)
     if clipped_count_stddev is not None:
         _in_range(clipped_count_stddev, "clipped_count_stddev", fn, 0.0, math.inf)
     if expected_num_records is not None:
@@ -517,7 +523,7 @@ def adaptive_clip_per_example(
             per_example.check_against_params(updates, params, fn)
             tree, n, _, rows = per_example.clip_examples(
                 updates, c, p, need_clip, None, reduce, std, k_sum if noisy_sum else None, fn,
-                weights=valid,
+                axis_name, weights=valid,
             )  # fmt: skip
             norms = n[None]
         else:
@@ -529,11 +535,16 @@ def adaptive_clip_per_example(
                 )
             rows = norms.shape[0]
             tree = _noised_sum(updates, std if noisy_sum else None, k_sum, reduce, rows, need_clip)
+        # Data parallel: the examples of every device count (the norms vary across the
+        # axes that split the batch), and the count's noise is drawn once.
+        split = tuple(sorted(_norms.varying(norms))) if _norms.vma_tracked() else ()
+        if rows:
+            rows *= math.prod(jax.lax.axis_size(a) for a in split)
         expected = float(expected_num_records or rows or 1)  # rows: a static shape
         count_std = clipped_count_stddev
         if count_std is None:
             count_std = expected / 20 if noisy_sum else 0.0
-        fraction = _noised_unclipped_fraction(norms, c, valid, count_std, expected, k_count)
+        fraction = _noised_unclipped_fraction(norms, c, valid, count_std, expected, k_count, split)
         new_c = _next_clip_norm(
             c, fraction, target_unclipped_quantile, learning_rate, geometric_update
         )
@@ -565,6 +576,7 @@ def _noised_unclipped_fraction(
     count_std: Any,
     expected: float,
     key: Array,
+    split: tuple[str, ...] = (),
 ) -> Array:
     """TF-Privacy's ``QuantileEstimatorQuery``: the count of examples with
     ``norm <= clip_norm``, each shifted by -1/2, plus noise, over the expected count, plus
@@ -572,7 +584,8 @@ def _noised_unclipped_fraction(
     below = jnp.where(norms <= clip_norm, 0.5, -0.5).astype(jnp.float32)
     if valid is not None:
         below = jnp.where(valid, below, 0)
-    total = jnp.sum(below) + count_std * jax.random.normal(key, (), jnp.float32)
+    total = jax.lax.psum(jnp.sum(below), split) if split else jnp.sum(below)
+    total = total + count_std * jax.random.normal(key, (), jnp.float32)
     return jnp.clip(total / expected + 0.5, 0.0, 1.0)
 
 

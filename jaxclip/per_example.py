@@ -21,9 +21,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxclip import _checks, _norms, _tree
+from jaxclip import _axes, _checks, _norms, _tree
 from jaxclip._checks import NormType
-from jaxclip._norms import AxisName
 
 Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
@@ -40,7 +39,8 @@ class ClipPerExampleState(NamedTuple):
         ``(batch_size,)`` (a dict label -> such an array with ``group``); None when the
         transformation was built without ``batch_size``.
       clipped_fraction: the fraction of the last update's examples that were clipped,
-        a float32 scalar (a dict label -> scalar with ``group``).
+        a float32 scalar (a dict label -> scalar with ``group``); inside ``shard_map``
+        with the batch split across devices, of the whole batch on every device.
       key: the PRNG key of the next update's noise.
     """
 
@@ -227,7 +227,7 @@ def clip_examples(
     noise_std: Any,
     key: Array | None,
     fn: str,
-    axis_name: AxisName = None,
+    axis_name: _axes.AxisNames = None,
     *,
     weights: Array | None = None,
     keep_acc: bool = False,
@@ -278,7 +278,7 @@ def clip_examples(
         members=members,
         reduce=reduce,
         batch=batch,
-        axis_name=axis_name,
+        axis_name=_axes.resolve(axis_name, sel, fn),
         paths=tuple(sel.chosen_paths),
     )
     leaves = list(sel.leaves)
@@ -313,7 +313,7 @@ def _arrays(
     members: tuple[tuple[int, ...], ...],
     reduce: Reduce,
     batch: int | None,
-    axis_name: AxisName,
+    axis_name: _norms.AxisName,
     paths: tuple[str, ...],
 ) -> tuple[list[Array], list[Array], list[Array], list[Array]]:
     """The array work, one compiled call (so eager use is one dispatch): per group of
@@ -331,7 +331,7 @@ def _arrays(
             n = _norms.per_example_norm_parts(
                 [xs[i] for i in group],
                 p,
-                axis_name=axis_name,
+                axis_name=_norms.leaves_axes(axis_name, group),
                 paths=tuple(paths[i] for i in group),
             )
         else:  # nothing selected: every example has norm 0
@@ -357,13 +357,13 @@ def _arrays(
         return outs, list(rest), norms, fractions
     keys = [None] * len(xs) if key is None else list(jax.random.split(key, len(xs)))
     outs = []
-    for x, s, k, path, clip_norm in zip(xs, scales, keys, paths, limits):
+    for i, (x, s, k, path, clip_norm) in enumerate(zip(xs, scales, keys, paths, limits)):
         w, unlift = _weights(s, clip_norm, x.shape[0])
         if weights is not None:
             w = jnp.where(weights, w, 0)
         total = _contract(w, x) * unlift  # exact (a power of two); fuses with what follows
         if k is not None:  # one independent draw per leaf (and per step: a fresh key)
-            k, share = _device_noise(k, x, axis_name, path)
+            k, share = _device_noise(k, x, _norms.leaf_axes(axis_name, i), path)
             total = total + normal(k, total, noise_std * share)
         outs.append(total if keep_acc else _finish(total, x.dtype, reduce, batch))
     rest_outs = []
@@ -386,7 +386,7 @@ def normal(key: Array, like: Array, std: Any) -> Array:
     return lax.complex(std * re, std * im)
 
 
-def _device_noise(key: Array, x: Array, axis_name: AxisName, path: str) -> tuple[Array, Any]:
+def _device_noise(key: Array, x: Array, axis_name: _norms.LeafAxes, path: str) -> tuple[Array, Any]:
     """Inside ``shard_map``, the key of this device's noise for its block of the leaf ``x``
     and the share of the standard deviation it draws.
 
@@ -407,11 +407,18 @@ def _device_noise(key: Array, x: Array, axis_name: AxisName, path: str) -> tuple
             )
         return key, 1.0
     varying = sorted(_norms.varying(x))
-    features = set(_norms.combine_axes(x, axis_name, False, path))
+    features = set(_norms.combine_axes(x, axis_name, range(1, x.ndim), path))
     for axis in varying:
         key = jax.random.fold_in(key, lax.axis_index(axis))
     devices = math.prod(lax.axis_size(a) for a in varying if a not in features)
     return key, 1 / math.sqrt(devices)
+
+
+def _mean_over_batch_devices(v: Array) -> Array:
+    """Inside ``shard_map``, the mean of a per-device statistic of the examples over the
+    axes that split the batch (those it varies across; equal shares of the batch)."""
+    axes = tuple(sorted(_norms.varying(v))) if _norms.vma_tracked() else ()
+    return lax.pmean(v, axes) if axes else v
 
 
 def is_float(x: Any) -> bool:
@@ -453,7 +460,7 @@ def clip_tree_per_example(
     need_clip: _tree.NeedClip = None,
     group: Group = None,
     reduce: Reduce = "sum",
-    axis_name: AxisName = None,
+    axis_name: _axes.AxisNames = None,
 ) -> tuple[PyTree, Array | dict[Hashable, Array]]:
     """Clips each example's gradient to norm ``clip_norm``, then sums (or averages) them.
 
@@ -535,7 +542,7 @@ def clip_per_example(
     need_clip: _tree.NeedClip = None,
     group: Group = None,
     batch_size: int | None = None,
-    axis_name: AxisName = None,
+    axis_name: _axes.AxisNames = None,
 ) -> optax.GradientTransformation:
     """DP-SGD's aggregation: clips each example's gradient, sums them, adds noise, averages.
 
@@ -664,6 +671,8 @@ def clip_per_example(
         kept = None
         if size is not None:
             kept = pack({k: v.astype(jnp.float32) for k, v in norms.items()})
+        # Data parallel: the fraction of the whole batch, the same on every device.
+        fractions = {k: _mean_over_batch_devices(v) for k, v in fractions.items()}
         return tree, ClipPerExampleState(kept, pack(fractions), key)
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

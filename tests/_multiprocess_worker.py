@@ -1,6 +1,6 @@
 """One of two processes with 4 CPU devices each (see test_multiprocess.py): builds a global
 2x4 mesh over both, runs every mode under ``jit`` over the mesh and inside ``shard_map``,
-and (process 0) saves the results.
+trains each mode 20 steps tensor- plus data-parallel, and (process 0) saves the results.
 
 Usage: ``python _multiprocess_worker.py PROCESS_ID PORT OUT.npz``
 """
@@ -45,6 +45,28 @@ MODES = {
 }
 
 
+def train(pid: int) -> dict[str, np.ndarray]:
+    """Twenty tensor- plus data-parallel training steps of each mode (``shard_map`` over
+    the global mesh, as in test_training.py): the params gathered, the replicated states
+    as this process holds them."""
+    import test_training as tt  # after jax.distributed.initialize: it counts devices
+
+    out = {}
+    for name in tt.MODES:
+        if tt.MODES[name][0] in BATCHED:
+            continue
+        params, state = tt._shard_map_tp(name, check_vma=True)
+        leaves = [multihost_utils.process_allgather(v, tiled=True) for v in jax.tree.leaves(params)]
+        for v in jax.tree.leaves(state):
+            v = jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+            leaves.append(np.asarray(v.addressable_data(0)))
+        out.update({f"train/{name}/{i}": v for i, v in enumerate(leaves)})
+    return out
+
+
+BATCHED = ("clip_per_example", "adaptive_clip_per_example")
+
+
 def main(pid: int, port: str, out_path: str) -> None:
     # The test sets XLA_FLAGS to 4 host devices; nothing touches a device before this.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -70,6 +92,7 @@ def main(pid: int, port: str, out_path: str) -> None:
                 results[f"{how}/{name}/{k}"] = multihost_utils.process_allgather(v, tiled=True)
             for i, v in enumerate(jax.tree.leaves(aux)):
                 results[f"{how}/{name}/aux{i}"] = multihost_utils.process_allgather(v, tiled=True)
+    results.update(train(pid))
     if pid == 0:
         np.savez(out_path, **results)
     jax.distributed.shutdown()

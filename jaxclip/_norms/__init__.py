@@ -45,8 +45,14 @@ from jaxclip._norms.clip import clip_factor as clip_factor
 from jaxclip._norms.clip import clip_joint as clip_joint
 from jaxclip._norms.clip import spread as spread
 from jaxclip._norms.devices import AxisName as AxisName
+from jaxclip._norms.devices import LeafAxes as LeafAxes
+from jaxclip._norms.devices import PerLeaf as PerLeaf
 from jaxclip._norms.devices import combine_axes as combine_axes
+from jaxclip._norms.devices import kept_axes as kept_axes
+from jaxclip._norms.devices import leaf_axes as leaf_axes
+from jaxclip._norms.devices import leaves_axes as leaves_axes
 from jaxclip._norms.devices import one_device as one_device
+from jaxclip._norms.devices import pmax as pmax
 from jaxclip._norms.devices import varying as varying
 from jaxclip._norms.devices import vma_tracked as vma_tracked
 from jaxclip._norms.joint import global_norm as global_norm
@@ -54,5 +60,6 @@ from jaxclip._norms.joint import global_norm_parts as global_norm_parts
 from jaxclip._norms.joint import per_example_norm_parts as per_example_norm_parts
 from jaxclip._norms.leafwise import clip_slices as clip_slices
 from jaxclip._norms.leafwise import clip_slices_relative as clip_slices_relative
+from jaxclip._norms.leafwise import largest as largest
 from jaxclip._norms.leafwise import slice_norms as slice_norms
 from jaxclip._norms.stacking import stacked as stacked

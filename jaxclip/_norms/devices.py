@@ -9,18 +9,69 @@ no gradient bytes cross devices.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 
 Array = jax.Array
-AxisName = None | str | tuple[str, ...]
+#: One leaf's axis names: mapped axis name(s), or the leaf's ``PartitionSpec`` (which mesh
+#: axes split which of its dimensions).
+LeafAxes = None | str | tuple[str, ...] | PartitionSpec
 #: The mapped axes over which a partial norm is combined (see :func:`combine_axes`).
 Combine = tuple[str, ...]
 Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PerLeaf:
+    """Axis names leaf by leaf (a hashable static argument unlike any plain tuple, so a
+    jitted function never confuses it with the axis names ``("a", "b")``)."""
+
+    specs: tuple[LeafAxes, ...]
+
+
+AxisName = LeafAxes | PerLeaf
+
+
+def leaf_axes(axis_name: AxisName, i: int) -> LeafAxes:
+    """The axis names of the ``i``-th leaf."""
+    return axis_name.specs[i] if isinstance(axis_name, PerLeaf) else axis_name
+
+
+def leaves_axes(axis_name: AxisName, indices: Sequence[int]) -> AxisName:
+    """The axis names of the leaves at ``indices`` (a group of them)."""
+    if isinstance(axis_name, PerLeaf):
+        return PerLeaf(tuple(axis_name.specs[i] for i in indices))
+    return axis_name
+
+
+def _mapped(spec: PartitionSpec, ndim: int) -> bool:
+    """Whether a leaf's spec names mapped axes here: inside ``shard_map`` (its unbound
+    names are then errors) or ``pmap``; not under ``jit`` over a mesh, where the same
+    transformation serves sharded arrays with no collectives of its own."""
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return True
+    try:
+        for name in _spec_names(spec, None, ndim):
+            lax.axis_size(name)
+    except NameError:
+        return False
+    return True
+
+
+def _spec_names(spec: PartitionSpec, dims: Sequence[int] | None, ndim: int) -> tuple[str, ...]:
+    """The mesh axes that split dimensions ``dims`` (all when None) in ``spec``."""
+    names: list[str] = []
+    for d, entry in enumerate(tuple(spec) + (None,) * (ndim - len(spec))):
+        if entry is None or (dims is not None and d not in dims):
+            continue
+        names += [n for n in (entry if isinstance(entry, tuple) else (entry,)) if n not in names]
+    return tuple(names)
 
 
 def varying(x: Any) -> frozenset[str]:
@@ -73,8 +124,12 @@ def one_device(x: Any) -> bool:
     return True
 
 
-def _axis_names(axis_name: AxisName) -> tuple[str, ...]:
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name or ())
+def _axis_names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _check_names(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names``, each a mapped axis here, else a NameError that says which are."""
     for name in names:
         try:
             lax.axis_size(name)
@@ -100,7 +155,9 @@ def _ambiguous(path: str, axes: frozenset[str], batch: bool) -> ValueError:
         "shard_map, and its norms are per slice: jaxclip cannot tell whether the "
         "reduced dimensions are split across devices. Pass axis_name= the mesh "
         "axes that split the reduced dimensions (their partial norms are summed), "
-        "or axis_name=() if every slice is whole on each device."
+        "or axis_name=() if every slice is whole on each device; for a tree that mixes "
+        "layouts, one entry per leaf (a tree, or a rule (path, leaf) -> axes), or the "
+        "leaves' PartitionSpecs (shard_map's in_specs), which say it for every leaf."
         + (
             " Data parallel (the batch split across devices, each example whole "
             "on one device) is axis_name=(); naming the batch's axis would sum "
@@ -112,9 +169,11 @@ def _ambiguous(path: str, axes: frozenset[str], batch: bool) -> ValueError:
 
 
 def combine_axes(
-    x: Any, axis_name: AxisName, whole: bool, path: str = "", batch: bool = False
+    x: Any, axis_name: LeafAxes, reduced: Sequence[int] | None, path: str = "", batch: bool = False
 ) -> Combine:
     """The mapped axes over which ``x``'s partial norms are summed (or maxed).
+
+    ``reduced``: the dimensions a norm is taken over (None: the whole array).
 
     Inside ``shard_map`` (``check_vma=True``) a whole-array norm is combined over exactly
     the mesh axes ``x`` varies across: a replicated leaf counts once, a tensor-parallel
@@ -122,23 +181,58 @@ def combine_axes(
     ``vmap``'s). Where JAX does not track varying axes (``pmap``, ``check_vma=False``)
     ``axis_name`` names the axes to combine over; ``axis_name=()`` combines nothing.
 
-    A per-slice norm (``whole=False``) of a varying ``x`` needs ``axis_name``: the local
-    block's shape does not say whether the reduced or the kept dimensions are split
-    (``batch``: the kept dimension is a per-example batch, which the error then names).
+    A per-slice norm of a varying ``x`` needs ``axis_name``: the local block's shape does
+    not say whether the reduced or the kept dimensions are split (``batch``: the kept
+    dimension is a per-example batch, which the error then names). A ``PartitionSpec``
+    says it: the axes that split the reduced dimensions are combined.
     """
     tracked = vma_tracked()
     axes = varying(x) if tracked else frozenset()
+    whole = reduced is None or len(reduced) == x.ndim
+    if isinstance(axis_name, PartitionSpec):
+        if not _mapped(axis_name, x.ndim):
+            return ()  # under jit (no mapped axes) XLA partitions the norm itself
+        names = _check_names(_spec_names(axis_name, None if whole else reduced, x.ndim))
+        unnamed = axes - set(_spec_names(axis_name, None, x.ndim))
+        if unnamed:
+            where = f"the leaf {path!r}" if path else "a leaf"
+            raise ValueError(
+                f"jaxclip: {where} varies across mesh axes {tuple(sorted(unnamed))} that its "
+                f"PartitionSpec {axis_name} does not name: the spec does not describe this "
+                "array. Pass the spec the leaf was split by (shard_map's in_specs entry), "
+                "or reduce it over those axes first (pmean of the loss, not of the grads)."
+            )
+        return tuple(n for n in names if n in axes) if tracked else names
     if axis_name is None:
         if axes and not whole:
             raise _ambiguous(path, axes, batch)
         return tuple(sorted(axes))
-    names = _axis_names(axis_name)
+    names = _check_names(_axis_names(axis_name))
     if not tracked:
         return names
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     if whole:  # a whole-array norm: every axis x varies across, unambiguously
         return tuple(sorted(axes)) + tuple(n for n in names if n not in manual)
     return tuple(n for n in names if n in axes or n not in manual)
+
+
+def kept_axes(
+    x: Any, axis_name: LeafAxes, reduced: Sequence[int] | None, combined: Combine
+) -> Combine:
+    """The mapped axes that split ``x``'s kept dimensions: per-slice results (a leaf's
+    largest norm) differ across them, and a ``pmax`` over them makes them replicated.
+
+    Tracked: the axes ``x`` varies across that its norms were not combined over. Under
+    ``pmap`` or ``check_vma=False`` only a ``PartitionSpec`` says which axes these are.
+    """
+    if reduced is None or len(reduced) == x.ndim:
+        return ()
+    if vma_tracked():
+        return tuple(sorted(varying(x) - set(combined)))
+    if isinstance(axis_name, PartitionSpec) and _mapped(axis_name, x.ndim):
+        kept = [d for d in range(x.ndim) if d not in reduced]
+        return tuple(n for n in _spec_names(axis_name, kept, x.ndim) if n not in combined)
+    return ()
 
 
 def has_unmapped(combines: Sequence[Combine]) -> bool:

@@ -36,7 +36,15 @@ from jaxclip._norms.backend import (
     rows_apart,
     rows_apart_limit,
 )
-from jaxclip._norms.devices import AxisName, Combine, Shape, combine, combine_axes, has_unmapped
+from jaxclip._norms.devices import (
+    AxisName,
+    Combine,
+    Shape,
+    combine,
+    combine_axes,
+    has_unmapped,
+    leaf_axes,
+)
 from jaxclip._norms.passes import blue_norm, blue_sums, inf_norms, inf_result, max_abs, power_sum
 from jaxclip._norms.rare import max_shift, shift_factors, shifted_norm, shifted_sum, sum_shift
 from jaxclip._norms.rules import batchable, norm_tangent, tangent
@@ -205,7 +213,7 @@ def global_norm_parts(
     Returns:
       A scalar :class:`Norm` in the widest accumulation dtype of the leaves.
     """
-    combines = [combine_axes(x, axis_name, whole=True) for x in leaves]
+    combines = [combine_axes(x, leaf_axes(axis_name, i), None) for i, x in enumerate(leaves)]
     leaves = reduction_view([jnp.asarray(x) for x in leaves])
     layout = plan(leaves, [None] * len(leaves), combines, bucket, rows=False)
     if not layout:
@@ -245,7 +253,10 @@ def per_example_norm_parts(
     """
     leaves = [jnp.asarray(x) for x in leaves]
     names = paths or ("",) * len(leaves)
-    combines = [combine_axes(x, axis_name, False, n, batch=True) for x, n in zip(leaves, names)]
+    combines = [
+        combine_axes(x, leaf_axes(axis_name, i), range(1, x.ndim), n, batch=True)
+        for i, (x, n) in enumerate(zip(leaves, names))
+    ]
     layout = plan(leaves, [None] * len(leaves), combines, bucket=False, rows=True)
     units, _, bucketed = build(leaves, [None] * len(leaves), layout, lead=1)
     return joint_norm(

@@ -16,9 +16,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxclip._norms.arith import Norm
-from jaxclip._norms.backend import Axes, reduction_view
+from jaxclip._norms.backend import Axes, max_keeping_nan, reduction_view
 from jaxclip._norms.clip import Factor, apply_factors, as_acc, clip_factor
-from jaxclip._norms.devices import AxisName, Combine, combine_axes, one_device
+from jaxclip._norms.devices import (
+    AxisName,
+    Combine,
+    combine_axes,
+    kept_axes,
+    leaf_axes,
+    one_device,
+    pmax,
+)
 from jaxclip._norms.slices import unit_norms
 from jaxclip._norms.stacking import stacked
 from jaxclip._norms.units import Unit, build, per_leaf, places, plan
@@ -31,8 +39,8 @@ def _layout(
 ) -> list[Unit]:
     names = paths or ("",) * len(leaves)
     combines: list[Combine] = [
-        combine_axes(x, axis_name, a is None or len(a) == x.ndim, path)
-        for x, a, path in zip(leaves, axes, names)
+        combine_axes(x, leaf_axes(axis_name, i), a, path)
+        for i, (x, a, path) in enumerate(zip(leaves, axes, names))
     ]
     return plan(leaves, axes, combines, bucket, rows=True)
 
@@ -205,3 +213,20 @@ def clip_slices_relative(
     return apply_factors(
         leaves, [Factor(*f[:3]) for f in per], [Norm(*f[3:5]) for f in per], [f[5] for f in per]
     )
+
+
+def largest(
+    leaves: Sequence[Array],
+    norms: Sequence[Array],
+    axes: tuple[Axes, ...],
+    axis_name: AxisName = None,
+    paths: tuple[str, ...] | None = None,
+) -> list[Array]:
+    """Each leaf's largest slice norm (NaN if one is), float32, the same on every device:
+    a ``pmax`` over the mapped axes that split the leaf's kept dimensions."""
+    out = []
+    for i, (x, n, a) in enumerate(zip(leaves, norms, axes)):
+        spec, path = leaf_axes(axis_name, i), paths[i] if paths else ""
+        kept = kept_axes(x, spec, a, combine_axes(x, spec, a, path))
+        out.append(pmax(max_keeping_nan(n).astype(jnp.float32), kept))
+    return out
