@@ -390,6 +390,7 @@ def run_matrix(args: argparse.Namespace) -> None:
             row["status"] = f"skipped: its counterpart's compile is over the cap ({args.cap:g} s)"
         else:
             row = _collect(cell, args, compiled.get(ck, -1.0))
+            row["git"] = meta["git"]
             over = row["status"].startswith("skipped: theirs")
             compiled[ck] = -1 if over else row.get("theirs_compile_s", compiled.get(ck, -1))
         rows[row["key"]] = row

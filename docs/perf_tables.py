@@ -132,9 +132,11 @@ def matrix_table(data: dict[str, Any]) -> str:
     out = [
         "### The matrix: every mode, dtype, layout and tree",
         "",
-        f"{_setup(data)} `{data.get('command', 'python benchmarks/matrix.py')}` at "
-        f"{data.get('git', '?')}, {data.get('date', '?')}. Run times are medians of "
-        f"{data.get('reps', '?')} alternating calls, the ratio the median of per-round ratios; "
+        f"{_setup(data)} The last run: `{data.get('command', 'python benchmarks/matrix.py')}` "
+        f"at {data.get('git', '?')}, {data.get('date', '?')} (a run replaces its cells' rows "
+        "and keeps the others; `benchmarks/last_run.md` says which run gave which). Run times "
+        f"are medians of {data.get('reps', '?')} alternating calls, the ratio the median of "
+        "per-round ratios; "
         f"compile times (trace + lower + compile) medians of {data.get('compiles', '?')}. "
         f"Targets: run time at most {targets.get('run_ratio', '?')}x, compile time "
         f"{targets.get('compile', '?')}; a cell that misses one says (over). Rows whose tree "
