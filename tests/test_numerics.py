@@ -404,3 +404,15 @@ def _assert_value(got, want) -> None:
     want = np.asarray(want, np.float64)
     expected = np.where(want > np.finfo(np.float32).max, np.inf, want)
     np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=4.8e-7)
+
+
+@pytest.mark.parametrize(
+    ("shape", "axes"), [((262144, 4), 0), ((2148, 1024), 0), ((3, 3, 300, 512), (0, 1, 2))]
+)
+def test_sums_over_leading_axes_of_large_float16_leaves_are_accurate(shape, axes):
+    # Leaves of 1 MiB and more are summed over leading axes a few rows at a time
+    # (backend._looped_sum): blocks of 256 rows, and a tail.
+    x = jnp.asarray(np.random.default_rng(0).lognormal(0.0, 2.0, shape), jnp.float16)
+    got = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=axes)[1])(x)
+    want = np.sqrt(np.sum(np.square(np.asarray(x, np.float64)), axis=axes))
+    np.testing.assert_allclose(ref.f64(got), want, rtol=1e-5)
