@@ -227,12 +227,14 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
     leaf: one loop over chunks of a few rows, each upcast and summed by the library
     reduction, the chunks' sums added into one partial sum per ``block`` chunks, the
     partial sums then added by the library reduction (pairwise). On XLA:CPU the fused
-    reduce over a leading axis is about 10x slower than this (float16 2048x2048 over
-    axis 0: 25-33 ms against 2.2-2.7 ms); a chunk's upcast is at most ``1 /
-    LOOP_CHUNK_OF`` of the leaf's bytes. None where that does not apply (trailing axes,
-    small leaves or few rows, several sums)."""
+    reduce over a leading axis is about 10x slower than this; a chunk's upcast is at most
+    ``1 / LOOP_CHUNK_OF`` of the leaf's bytes. None where that does not apply (trailing
+    axes, small leaves or few rows, several sums, a leaf split across devices, whose
+    dynamic slices XLA would gather)."""
     length, row = flat.shape[at], flat.size // flat.shape[at]
     if at == flat.ndim - 1 or flat.nbytes < max(LOOP_MIN_BYTES, row * 4 * LOOP_CHUNK_OF):
+        return None
+    if not one_device(flat):
         return None
     kept = (*flat.shape[:at], *flat.shape[at + 1 :])
     # The kept axes as one (two where some lead): XLA:CPU converts 16-bit chunks with a
