@@ -224,7 +224,7 @@ def test_equinox_bool_mask_is_a_mask_not_a_callable():
     assert out.bias is grads.bias
     tx = jaxclip.clip_by_norm(1.0, need_clip=mask)
     state = tx.init(model)
-    assert state.norms.bias is None and state.norms.weight is not None
+    assert isinstance(state.norms.bias, optax.MaskedNode) and state.norms.weight is not None
     chex.assert_trees_all_equal_structs(state, jax.eval_shape(tx.update, grads, state)[1])
 
 
