@@ -83,9 +83,10 @@ def resolve(axis_name: AxisNames, sel: _tree.Selection, fn: str) -> _norms.AxisN
 def _by_prefix(tree: PyTree, paths: list[str], fn: str) -> list[_norms.LeafAxes]:
     """Each path's entry in ``tree``, a prefix of the gradients: the entry whose path is
     the longest prefix of the leaf's (paths as users name them, ``/``-joined)."""
+    keys, values, _ = _tree.flatten_with_paths(tree, is_leaf=is_entry)  # nnx specs too
     entries = [
         (tuple(_tree.path_str(k).split("/")) if k else (), _entry(v, _where(k), fn))
-        for k, v in jtu.tree_flatten_with_path(tree, is_leaf=is_entry)[0]
+        for k, v in zip(keys, values)
     ]
     out = []
     for path in paths:

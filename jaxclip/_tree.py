@@ -57,26 +57,30 @@ def _is_value_key(key: Any) -> bool:
     return isinstance(key, jtu.GetAttrKey) and key.name == "value"
 
 
-def flatten_with_paths(tree: PyTree) -> tuple[list[tuple[Any, ...]], list[Any], Any]:
-    """``(key_paths, leaves, treedef)`` of ``tree``, the paths as users name the leaves.
+def flatten_with_paths(
+    tree: PyTree, is_leaf: Callable[[Any], bool] | None = None
+) -> tuple[list[tuple[Any, ...]], list[Any], Any]:
+    """``(key_paths, leaves, treedef)`` of ``tree``, the paths as users name the leaves
+    (``is_leaf`` as in ``jax.tree``: entries that are leaves, e.g. axis names).
 
     The one place where paths are built: the ``value`` key of a variable wrapper (see
     :func:`_wrapper_types`) is dropped, so a parameter has the same path in the params,
     in ``nnx.grad``'s output and inside ``nnx.Optimizer`` (``l1/kernel``). Plain dicts,
     linen's (Frozen)dicts and Equinox modules (attribute names) keep their keys.
     """
-    flat, treedef = jtu.tree_flatten_with_path(tree)
+    flat, treedef = jtu.tree_flatten_with_path(tree, is_leaf=is_leaf)
     paths = [tuple(p) for p, _ in flat]
     leaves = [x for _, x in flat]
     wrappers = _wrapper_types()
     if wrappers and any(_is_value_key(k) for p in paths for k in p):
         is_wrapper = lambda x: isinstance(x, wrappers)  # noqa: E731
+        outer_leaf = lambda x: is_wrapper(x) or (is_leaf is not None and is_leaf(x))  # noqa: E731
         paths = []
-        for outer, x in jtu.tree_flatten_with_path(tree, is_leaf=is_wrapper)[0]:
+        for outer, x in jtu.tree_flatten_with_path(tree, is_leaf=outer_leaf)[0]:
             if not is_wrapper(x):
                 paths.append(tuple(outer))
                 continue
-            for q, _ in jtu.tree_flatten_with_path(x)[0]:
+            for q, _ in jtu.tree_flatten_with_path(x, is_leaf=is_leaf)[0]:
                 q = tuple(q)
                 paths.append(tuple(outer) + (q[1:] if q and _is_value_key(q[0]) else q))
     return paths, leaves, treedef

@@ -377,13 +377,14 @@ def _history_clip(
                 f"updates select {len(xs)}; init with params of the updates' structure."
             )
         names = _axes.resolve(axis_name, sel, "quantile_clip/standard_clip")
-        out, state = _history_step(xs, state, level, statistic, global_threshold, names)
+        paths = tuple(sel.chosen_paths)
+        out, state = _history_step(xs, state, level, statistic, global_threshold, names, paths)
         return sel.rebuild(out), state
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-@functools.partial(jax.jit, static_argnames=("statistic", "global_threshold", "axis_name"))
+@functools.partial(jax.jit, static_argnames=("statistic", "global_threshold", "axis_name", "paths"))
 def _history_step(
     xs: list[Array],
     state: HistoryClipState,
@@ -391,6 +392,7 @@ def _history_step(
     statistic: Any,
     global_threshold: bool,
     axis_name: _norms.AxisName,
+    paths: tuple[str, ...],
 ) -> tuple[list[Array], HistoryClipState]:
     """One step of :func:`_history_clip` (one compiled call, so an eager update costs one
     dispatch)."""
@@ -398,12 +400,13 @@ def _history_step(
     # The threshold comes from the earlier norms only; none yet: no clipping.
     threshold = jnp.where(count > 0, statistic(state.history, count, level), jnp.inf)
     if global_threshold:
-        parts = _norms.global_norm_parts(xs, 2.0, axis_name=axis_name)
+        parts = _norms.global_norm_parts(xs, 2.0, axis_name=axis_name, paths=paths)
         norm = parts.value.astype(jnp.float32)
         out = _norms.clip_joint(xs, parts, threshold)
     else:
         whole = (None,) * len(xs)
-        leaf_norms = _norms.slice_norms(xs, 2.0, whole, axis_name=axis_name) if xs else []
+        kw = {"axis_name": axis_name, "paths": paths}
+        leaf_norms = _norms.slice_norms(xs, 2.0, whole, **kw) if xs else []
         values = [n.value.reshape(()).astype(jnp.float32) for n in leaf_norms]
         norm = jnp.stack(values) if values else jnp.zeros((0,), jnp.float32)
         out = _norms.clip_each(xs, leaf_norms, [threshold[k] for k in range(len(xs))])
@@ -556,7 +559,8 @@ def _selected(
     float32 is still clipped, not zeroed)."""
     sel = _tree.select(updates, need_clip, what="adaptive clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
-    parts = _norms.global_norm_parts(xs, 2.0, axis_name=_axes.resolve(axis_name, sel, fn))
+    names, paths = _axes.resolve(axis_name, sel, fn), tuple(sel.chosen_paths)
+    parts = _norms.global_norm_parts(xs, 2.0, axis_name=names, paths=paths)
     return sel, xs, parts.value.astype(jnp.float32), parts
 
 
@@ -851,7 +855,8 @@ def skip_large_updates(
     def update_fn(updates: PyTree, state: SkipLargeUpdatesState, params: Any = None, **extra: Any):
         sel = _tree.select(updates, need_clip, what="spike skipping")
         names = _axes.resolve(axis_name, sel, "skip_large_updates")
-        parts = _norms.global_norm_parts([jnp.asarray(x) for x in sel.chosen], p, axis_name=names)
+        xs, paths = [jnp.asarray(x) for x in sel.chosen], tuple(sel.chosen_paths)
+        parts = _norms.global_norm_parts(xs, p, axis_name=names, paths=paths)
         norm = parts.value.astype(jnp.float32)
         # Finite from frac: a finite norm beyond float32's range is inf as a value but is
         # not an error (it is over any finite threshold, and applied with threshold=inf).

@@ -100,7 +100,8 @@ def global_norm(
     p = _checks.check_norm_type(norm_type)
     sel = _tree.select(tree, need_clip, what="a global norm")
     names = _axes.resolve(axis_name, sel, "global_norm")
-    return _norms.global_norm([jnp.asarray(x) for x in sel.chosen], p, axis_name=names)
+    xs, paths = [jnp.asarray(x) for x in sel.chosen], tuple(sel.chosen_paths)
+    return _norms.global_norm(xs, p, axis_name=names, paths=paths)
 
 
 def clip_tree_by_value(
@@ -329,7 +330,9 @@ def clip_tree_by_global_norm(
         for label in labels:
             members = [i for i, lab in enumerate(per_leaf) if lab == label]
             group_names = _norms.leaves_axes(names, members)
-            n = _norms.global_norm_parts([xs[i] for i in members], p, axis_name=group_names)
+            group_paths = tuple(sel.chosen_paths[i] for i in members)
+            group_xs = [xs[i] for i in members]
+            n = _norms.global_norm_parts(group_xs, p, axis_name=group_names, paths=group_paths)
             if error_if_nonfinite:
                 _errors.raise_if_nonfinite([n.value], [f"global norm of group {label!r}"])
             for i, x in zip(members, _norms.clip_joint([xs[i] for i in members], n, clip_norm)):
@@ -337,7 +340,7 @@ def clip_tree_by_global_norm(
             norms[label] = n.value
         return sel.rebuild(clipped), norms
     if use_norm is None:
-        parts = _norms.global_norm_parts(xs, p, axis_name=names)
+        parts = _norms.global_norm_parts(xs, p, axis_name=names, paths=tuple(sel.chosen_paths))
     else:
         _checks.check_use_norm(use_norm, "clip_tree_by_global_norm")
         parts = _norms.as_norm(jnp.asarray(use_norm, _norms.result_dtype(xs)))

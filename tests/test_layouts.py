@@ -188,3 +188,45 @@ def test_states_work_with_tree_map_params_tree_get_and_checkpoints(mode):
         norms = optax.tree.get(state, "norms")
         assert isinstance(norms["frozen"], optax.MaskedNode)
         assert float(norms["w"]) == pytest.approx(float(np.sqrt(12.0)))
+
+
+def test_flax_nnx_partition_specs_serve_as_axis_name():
+    """``nnx.get_partition_spec``'s tree (shard_map's in_specs for an NNX model) as is."""
+    from flax import nnx
+
+    mesh = jax.make_mesh((4,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    with jax.set_mesh(mesh):
+        lin = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
+    _, state = nnx.split(lin, nnx.Param)
+    specs = nnx.get_partition_spec(state)
+    tx = jaxclip.clip_by_norm(0.5, axes=0, axis_name=specs)
+    f = jax.shard_map(
+        lambda g: tx.update(g, tx.init(g))[0], mesh=mesh, in_specs=(specs,), out_specs=specs
+    )
+    got = jax.jit(f)(state)
+    kernel = np.asarray(state["kernel"][...])
+    want = ref.clip_each(kernel, 0.5, 2.0, (0,))
+    np.testing.assert_allclose(np.asarray(got["kernel"][...]), want, rtol=2e-6)
+
+
+def test_specs_that_do_not_fit_their_leaves_name_them():
+    """A spec with more entries than its leaf has dimensions (a prefix entry over a bias),
+    and, in a global-norm mode, a leaf varying across an axis its spec does not name."""
+    mesh = jax.make_mesh((4,), ("model",))
+    g = {"w": np.ones((8, 4), np.float32), "b": np.ones(4, np.float32)}
+    in_specs = {"w": P("model", None), "b": P()}
+    for axis_name, match in (
+        (P("model", None), r"'b'.*2 entries but the leaf has 1"),
+        ({"w": P(), "b": P()}, r"'w' varies across mesh axes \('model',\)"),
+    ):
+        tx = jaxclip.zclip(axis_name=axis_name)
+        run = jax.shard_map(
+            lambda v, tx=tx: tx.update(v, tx.init(v))[0],
+            mesh=mesh,
+            in_specs=(in_specs,),
+            out_specs=in_specs,
+        )
+        put = {k: jax.device_put(v, NamedSharding(mesh, in_specs[k])) for k, v in g.items()}
+        with pytest.raises(ValueError, match=match):
+            jax.jit(run)(put)

@@ -128,15 +128,16 @@ def _axis_names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
     return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
-def _check_names(names: tuple[str, ...]) -> tuple[str, ...]:
+def _check_names(names: tuple[str, ...], path: str = "") -> tuple[str, ...]:
     """``names``, each a mapped axis here, else a NameError that says which are."""
     for name in names:
         try:
             lax.axis_size(name)
         except NameError:
             manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+            leaf = f" (for the leaf {path!r})" if path else ""
             raise NameError(
-                f"jaxclip: axis_name {name!r} is not a mapped axis here (unbound axis name). "
+                f"jaxclip: axis_name {name!r}{leaf} is not a mapped axis here (unbound axis name). "
                 + (
                     f"Inside this shard_map the axes are {manual}; "
                     if manual
@@ -190,9 +191,16 @@ def combine_axes(
     axes = varying(x) if tracked else frozenset()
     whole = reduced is None or len(reduced) == x.ndim
     if isinstance(axis_name, PartitionSpec):
+        if len(axis_name) > x.ndim:
+            where = f"the leaf {path!r}" if path else "a leaf"
+            raise ValueError(
+                f"jaxclip: the PartitionSpec {axis_name} given for {where} has {len(axis_name)} "
+                f"entries but the leaf has {x.ndim} dimensions. Pass each leaf its own spec "
+                "(a tree of specs with an entry per leaf, e.g. shard_map's in_specs)."
+            )
         if not _mapped(axis_name, x.ndim):
             return ()  # under jit (no mapped axes) XLA partitions the norm itself
-        names = _check_names(_spec_names(axis_name, None if whole else reduced, x.ndim))
+        names = _check_names(_spec_names(axis_name, None if whole else reduced, x.ndim), path)
         unnamed = axes - set(_spec_names(axis_name, None, x.ndim))
         if unnamed:
             where = f"the leaf {path!r}" if path else "a leaf"
@@ -207,7 +215,7 @@ def combine_axes(
         if axes and not whole:
             raise _ambiguous(path, axes, batch)
         return tuple(sorted(axes))
-    names = _check_names(_axis_names(axis_name))
+    names = _check_names(_axis_names(axis_name), path)
     if not tracked:
         return names
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)

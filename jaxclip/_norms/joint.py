@@ -195,9 +195,14 @@ def _joint_norm_jvp(
     return norm, norm_tangent(norm, dn)
 
 
-@functools.partial(jax.jit, static_argnames=("p", "axis_name", "bucket"))
+@functools.partial(jax.jit, static_argnames=("p", "axis_name", "bucket", "paths"))
 def global_norm_parts(
-    leaves: Sequence[Array], p: float, *, axis_name: AxisName = None, bucket: bool = True
+    leaves: Sequence[Array],
+    p: float,
+    *,
+    axis_name: AxisName = None,
+    bucket: bool = True,
+    paths: tuple[str, ...] | None = None,
 ) -> Norm:
     """The p-norm of all ``leaves`` together, as if concatenated into one vector.
 
@@ -209,11 +214,15 @@ def global_norm_parts(
         the axes each leaf varies across): partial sums are ``psum``-ed, maxima
         ``pmax``-ed.
       bucket: concatenate small single-device leaves before reducing.
+      paths: the leaves' paths, for error messages.
 
     Returns:
       A scalar :class:`Norm` in the widest accumulation dtype of the leaves.
     """
-    combines = [combine_axes(x, leaf_axes(axis_name, i), None) for i, x in enumerate(leaves)]
+    names = paths or ("",) * len(leaves)
+    combines = [
+        combine_axes(x, leaf_axes(axis_name, i), None, names[i]) for i, x in enumerate(leaves)
+    ]
     leaves = reduction_view([jnp.asarray(x) for x in leaves])
     layout = plan(leaves, [None] * len(leaves), combines, bucket, rows=False)
     if not layout:
@@ -224,10 +233,15 @@ def global_norm_parts(
 
 
 def global_norm(
-    leaves: Sequence[Array], p: float, *, axis_name: AxisName = None, bucket: bool = True
+    leaves: Sequence[Array],
+    p: float,
+    *,
+    axis_name: AxisName = None,
+    bucket: bool = True,
+    paths: tuple[str, ...] | None = None,
 ) -> Array:
     """:func:`global_norm_parts` as a number (inf where it exceeds the dtype's range)."""
-    return global_norm_parts(leaves, p, axis_name=axis_name, bucket=bucket).value
+    return global_norm_parts(leaves, p, axis_name=axis_name, bucket=bucket, paths=paths).value
 
 
 @functools.partial(jax.jit, static_argnames=("p", "axis_name", "paths"))
