@@ -233,7 +233,9 @@ def test_wrong_axis_name_and_ambiguous_slices_are_clear_errors():
     def run(fn):
         jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(SPECS,), out_specs=P()))(placed)
 
-    with pytest.raises(NameError, match=r"axis_name 'batch' is not a mapped axis.*'data'"):
+    with pytest.raises(
+        NameError, match=r"axis_name 'batch' \(for the leaf '.*'\) is not a mapped axis.*'data'"
+    ):
         run(lambda g: jaxclip.global_norm(g, axis_name="batch"))
     with pytest.raises(
         ValueError, match=r"leaf 'attn/kernel' varies across mesh axes \('model',\)"
