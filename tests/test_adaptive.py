@@ -225,6 +225,7 @@ def test_skip_large_updates_keeps_inner_state():
     ],
     ids=["zclip", "auto_clip", "skip", "global"],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_spike_in_training_keeps_loss_finite(make):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(64, 4)), jnp.float32)
@@ -298,6 +299,7 @@ def test_quantile_clip_state_has_one_row_per_selected_leaf():
     [jaxclip.auto_clip, jaxclip.zclip, lambda: jaxclip.zclip(warmup_steps=1)],
     ids=["auto_clip", "zclip-warmup", "zclip-spike"],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_a_finite_step_whose_norm_overflows_float32_is_clipped_not_zeroed(make):
     """[3e38, 3e38] has norm 4.2e38 (inf in float32): scaled to the threshold 1 along its
     direction, as clip_by_global_norm does, not multiplied by 1/inf = 0."""

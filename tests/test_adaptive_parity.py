@@ -133,6 +133,7 @@ AGC_SHAPES = {
 }
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_adaptive_clip_matches_nfnets_and_optax():
     rng = np.random.default_rng(14)
     params = {k: rng.normal(size=s).astype(np.float32) for k, s in AGC_SHAPES.items()}
@@ -236,6 +237,7 @@ ZCLIP = RECORDED["zclip"]
 
 
 @pytest.mark.parametrize("run", ZCLIP["runs"], ids=[str(r["config"]) for r in ZCLIP["runs"]])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_zclip_matches_reference_and_recorded_package(run):
     config = run["config"]
     inputs = [[np.asarray(g, np.float32) for g in row] for row in ZCLIP["inputs"]]
@@ -361,6 +363,7 @@ _FACTORY = {"QuantileClip": jaxclip.quantile_clip, "StandardClip": jaxclip.stand
 @pytest.mark.parametrize(
     "run", AUTOCLIP["runs"], ids=[f"{r['class']}{r['config']}" for r in AUTOCLIP["runs"]]
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_autoclip_package_matches_reference_and_recorded(run):
     cls, config = run["class"], run["config"]
     inputs = [[np.asarray(g, np.float32) for g in row] for row in AUTOCLIP["inputs"]]

@@ -83,6 +83,7 @@ class TransformsTest(chex.TestCase):
             )
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_function_global_norm_matches_reference():
     for p in [1.0, 2.0, 3.0, 0.5, math.inf]:
         np.testing.assert_allclose(jaxclip.global_norm(GRADS, p), ref.norm(LEAVES, p), rtol=2e-6)
@@ -186,6 +187,7 @@ class Custom:
     rest: list
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_pytree_kinds_pass_through():
     grads = {
         "none": None,
@@ -235,6 +237,7 @@ def test_optax_masked_nodes():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_dtypes_kept_and_accurate(dtype):
     g = {"a": jnp.asarray([3.0, -4.0], dtype), "b": jnp.asarray([[12.0]], dtype)}
     for tx in [

@@ -442,6 +442,7 @@ def _core_cases():
 
 
 @pytest.mark.parametrize("name, p, m", list(_core_cases()))
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_modes_match_float64_over_dtypes_and_magnitudes(name, p, m):
     dtype = DTYPES[name]
     with _x64(dtype):
@@ -657,6 +658,7 @@ def _mix_tree(mags: dict) -> dict:
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_mixed_trees_spanning_the_range(mix):
     p = 2.0
     tree = _mix_tree(MIXES[mix])
@@ -684,6 +686,7 @@ X64_CASES = {  # (float32 leaf, float64 leaf, expected global 2-norm)
 
 
 @pytest.mark.parametrize("case", list(X64_CASES))
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_mixed_float32_float64_tree(case):
     a, b, expected = X64_CASES[case]
     with _x64(jnp.float64):
@@ -719,6 +722,7 @@ def _fractional_clip(p: float) -> Any:
 @pytest.mark.parametrize(
     "p", [*(pytest.param(p, marks=pytest.mark.slow) for p in (0.1, 0.25, 0.9, 2.5, 1.01)), 0.75]
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_fractional_p_bound_at_magnitudes_up_to_1e20(p):
     """Rows of log-normal magnitudes (sigma 4) scaled by 10**[-20, 20]: pow(a, p) =
     exp(p ln a) rounds p ln a, up to |p ln a| / 2 ulps per term, which put the output
@@ -766,6 +770,7 @@ def test_common_path_fractional_powers_do_not_call_pow():
             assert "stablehlo.exponential" in text  # the split power's exp2
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_leaf_sizes_1_to_1e6():
     """One tree of float32 leaves (1e20: squares overflow) of 1 to 1e6 elements, and 1e6-element
     bfloat16 (1e-20: squares underflow) and float16 leaves: the per-leaf norms test each size
@@ -822,6 +827,7 @@ def _big_leaf_fn():
     [("ones_f16", 1.0), ("huge_f32", 1e20)],
     ids=["float16-ones-3e7", "float32-1e20-3e7"],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_one_leaf_of_3e7_elements(big, which, value):
     x = getattr(big, which)
     value = float(np.asarray(value, x.dtype))  # as stored
@@ -972,6 +978,7 @@ def _deriv_cases():
 
 
 @pytest.mark.parametrize("p, s", list(_deriv_cases()))
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_derivatives_match_float64(p, s):
     x, xs = XD * s, XS * s
     x32, xs32 = (ref.f64(np.asarray(v, np.float32)) for v in (x, xs))
@@ -1037,6 +1044,7 @@ def _vmapped(p: float):
     return jax.jit(jax.vmap(one))
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_vmap_over_batched_leaves():
     p = 2.0
     a = np.stack(
@@ -1327,6 +1335,7 @@ def _mesh_fn(p: float):
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices, see conftest.py")
 @pytest.mark.parametrize("p", [2.0, INF], ids=lambda p: f"p{p:g}")
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_sharded_over_8_devices(p):
     mesh = jax.make_mesh((8,), ("d",))
     checks = {}

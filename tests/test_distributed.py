@@ -85,6 +85,7 @@ def _jit_cases() -> list:
 
 
 @pytest.mark.parametrize(("mode", "kind"), _jit_cases())
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_jit_over_mesh_matches_single_device(mode, kind):
     host = _grads()
     mesh = _mesh(kind)
@@ -104,6 +105,7 @@ def test_jit_over_mesh_matches_single_device(mode, kind):
     _collectives_are_small(hlo, 16 if mode == "norm_axes0" else 1)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_clip_by_norm_axes_over_a_sharded_axis_is_per_slice():
     host = _grads()
     sharded = _place(host, _mesh(AxisType.Auto))
@@ -117,6 +119,7 @@ def test_clip_by_norm_axes_over_a_sharded_axis_is_per_slice():
 
 @pytest.mark.parametrize("p", [2.0, pytest.param(1.0, marks=pytest.mark.slow), math.inf])
 @pytest.mark.parametrize("axis_name", ["model", ("data", "model")], ids=["model", "data+model"])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_shard_map_fsdp_norm_equals_full_norm(p, axis_name):
     host = {k: v for k, v in _grads().items() if k in ("both", "cols")}
     mesh = _mesh(AxisType.Explicit)

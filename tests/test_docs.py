@@ -28,6 +28,7 @@ def _blocks(page: pathlib.Path) -> list[str]:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_python_blocks_run(page: pathlib.Path):
     namespace: dict = {}
     with contextlib.redirect_stdout(io.StringIO()):

@@ -69,6 +69,7 @@ def _jitted(micro, reduce="sum", groups=False):
 @pytest.mark.parametrize(
     "micro", [None, 3, *(pytest.param(m, marks=pytest.mark.slow) for m in (1, 16))]
 )  # whole, 1 row, 3 not dividing 10, > B
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_clipped_grad_matches_float64_formula(micro):
     params, x, y = _data()
     want, norms = _reference(params, x, y, 1.5)
@@ -154,6 +155,7 @@ def test_clipped_grad_equals_whole_batch_vmap(dtype):
     np.testing.assert_allclose(aux.norms, want_norms, rtol=1e-6)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_clipped_grad_options_aux_keep_batch_dim_argnums_need_clip():
     params, x, y = _data(4)
 
@@ -273,6 +275,7 @@ def test_adaptation_target_one_geometric():
 
 
 @pytest.mark.parametrize(("geometric", "start"), [(False, 10.0), (True, 1.0)])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_adaptation_linspace_converges_to_the_median(geometric, start):
     tx = jaxclip.adaptive_clip_per_example(
         start, target_unclipped_quantile=0.5, learning_rate=1.0, geometric_update=geometric
@@ -315,6 +318,7 @@ def test_adaptive_noise_statistics():
     assert len({int(jax.random.key_data(s)[0]) for s in states.key[:50]}) == 50
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_adaptive_with_clipped_grad_equals_per_example_path_and_chains():
     params, x, y = _data(6)
     pad = np.zeros(B, bool)

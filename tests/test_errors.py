@@ -121,6 +121,7 @@ NONFINITE = {
 
 
 @pytest.mark.parametrize("mode", NONFINITE)
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_error_if_nonfinite_is_one_exception_eager_jit_and_chain(mode):
     make, message = NONFINITE[mode]
     tx = make()

@@ -53,6 +53,7 @@ def test_inject_hyperparams_schedule_in_training():
     np.testing.assert_allclose(state[0].hyperparams["clip_norm"], 0.5, rtol=1e-6)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_multisteps_clips_the_accumulated_gradient():
     k = 3
     tx = optax.MultiSteps(
@@ -139,6 +140,7 @@ def _assert_applied(after, before, expected):
 
 
 @pytest.mark.parametrize("need_clip", ["rule", "mask of nnx.state", "plain dict mask"])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_flax_nnx_optimizer(need_clip):
     """``nnx.Optimizer`` passes bare arrays: a mask built from ``nnx.state(model,
     nnx.Param)`` (Param-wrapped bools) and a plain dict mask must both line up with them."""
@@ -192,6 +194,7 @@ def test_flax_nnx_optimizer(need_clip):
     np.testing.assert_allclose(logged_norm(), last_norm, rtol=1e-5)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_equinox_filtered_gradients_with_none_leaves():
     eqx = pytest.importorskip("equinox")
     model, lr = eqx.nn.MLP(5, 1, width_size=8, depth=2, key=jax.random.key(0)), 0.05
@@ -253,6 +256,7 @@ def test_inject_hyperparams_takes_selectors_without_static_args():
         np.testing.assert_allclose(stats["global_norm/all"], 13.0, rtol=1e-6)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_inject_hyperparams_static_arguments_say_what_to_pass():
     # A plain function is taken for a schedule by optax (called with the step count)
     # before jaxclip sees it: the error is Python's; static_args (or a Selector) fixes it.
@@ -281,6 +285,7 @@ def test_inject_hyperparams_static_arguments_say_what_to_pass():
     np.testing.assert_allclose(out2["w"], out["w"], rtol=1e-6)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_clip_stats_finds_every_mode_where_tree_get_cannot():
     tx = optax.chain(
         optax.inject_hyperparams(jaxclip.clip_by_global_norm)(clip_norm=100.0),

@@ -56,6 +56,7 @@ ADAPTIVE = {
 
 
 @pytest.mark.parametrize("name", list(ADAPTIVE))
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_adaptive_modes_under_pmap_log_the_global_norm_on_every_device(name):
     """A leaf split over 4 devices: each device's state holds the whole tree's norm."""
     tree = _tree()
@@ -71,6 +72,7 @@ def test_adaptive_modes_under_pmap_log_the_global_norm_on_every_device(name):
     np.testing.assert_allclose(norms, [want] * 4, rtol=2e-6)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_mixed_layout_per_slice_norms_inside_shard_map():
     """clip_by_norm(axes=1) on a column- and a row-parallel kernel: per leaf axis names
     (a dict, a rule, the specs) give the single-device rows and a replicated state."""
@@ -154,6 +156,7 @@ def _params() -> dict:
 
 
 @pytest.mark.parametrize("mode", [m.name for m in _registry.MODES if not m.batched])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_states_work_with_tree_map_params_tree_get_and_checkpoints(mode):
     """Inside a chain: shardings built from the params' specs with
     ``optax.tree_map_params`` (unselected leaves are ``optax.MaskedNode``, as
@@ -190,6 +193,7 @@ def test_states_work_with_tree_map_params_tree_get_and_checkpoints(mode):
         assert float(norms["w"]) == pytest.approx(float(np.sqrt(12.0)))
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_flax_nnx_partition_specs_serve_as_axis_name():
     """``nnx.get_partition_spec``'s tree (shard_map's in_specs for an NNX model) as is."""
     from flax import nnx

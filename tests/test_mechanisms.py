@@ -77,6 +77,7 @@ def _calls(fn, tree) -> int:
 
 
 @pytest.mark.parametrize("mode", ["global", "norm", "adaptive", "value"])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_no_call_per_leaf(mode):
     # jnp.pad, jnp.where, jnp.clip and lax.dynamic_index_in_dim are jitted functions: each use is
     # a call in the program, which XLA's passes inline. Per leaf, they made a third of a
@@ -149,6 +150,7 @@ def _kernel_bodies(fn, tree, shape: str) -> list[str]:
 
 @xla_cpu_only
 @pytest.mark.parametrize("mode", ["norm", "adaptive"])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_alike_leaves_share_one_scaling_kernel(mode):
     # XLA:CPU compiles each distinct kernel (~40 ms); optax's alike leaves share theirs.
     # Ours read their factors out of stacked vectors at offsets XLA cannot fold
@@ -227,6 +229,7 @@ def test_sharded_small_leaves_are_not_bucketed():
     ],
 )
 @pytest.mark.parametrize("mode", ["global", "norm"])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_temporaries_bounded_with_buckets(mode, dtype, monkeypatch):
     # Several buckets (BUCKET_MAX_LEAVES): with more than one, the rare path's scale
     # factors were once broadcast to a bucket's shape (2 MB for 1000 small leaves).
@@ -255,6 +258,7 @@ def test_temporaries_bounded_with_buckets(mode, dtype, monkeypatch):
     ("shape", "axes", "library"),
     [((512, 128), 1, True), ((512, 128), 0, False), ((512, 16), 1, False)],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_rare_path_rescales_long_trailing_rows_in_the_library(shape, axes, library):
     # Zero rows (an embedding's unused rows) take the rare path on every step. Its
     # rescaled rows ran 5-7x faster in XLA:CPU's library reduction than in the fused one
@@ -270,6 +274,7 @@ def _per_example_text(tree) -> str:
 
 @xla_cpu_only
 @pytest.mark.parametrize(("shape", "axes"), [((2048, 2048), 0), ((3, 3, 256, 512), (0, 1, 2))])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_float16_sums_over_leading_axes_read_a_few_rows_at_a_time(shape, axes):
     # XLA:CPU's fused reduce over a leading axis runs about 10x slower than a loop that
     # upcasts a few rows at a time for the library reduction; its temporaries stay small.

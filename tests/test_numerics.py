@@ -50,6 +50,7 @@ P_QUICK = [2.0, 0.5, math.inf]  # the default, a fractional p, the max; P_ALL ru
     "mode", ["global", "norm", pytest.param("norm_axes", marks=pytest.mark.slow)]
 )
 @pytest.mark.parametrize("name, dtype, value, n, c", TABLE, ids=[t[0] for t in TABLE])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_regression_table(name, dtype, value, n, c, mode, jit, ps):
     g = jnp.full((n,), value, dtype)
     for p in ps:
@@ -77,6 +78,7 @@ def test_naive_norm_fails_on_table(name, dtype, value, n, c):
 
 
 @pytest.mark.parametrize("mode", ["global", "norm"])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_grad_at_zero_is_identity(mode):
     w = jnp.arange(1.0, 5.0)
 
@@ -93,8 +95,16 @@ def test_grad_at_zero_is_identity(mode):
     np.testing.assert_array_equal(jvp, tangent)
 
 
-@pytest.mark.parametrize("p", [2.0, 1.0, 3.0, 0.5])
-@pytest.mark.parametrize("mode", ["global", "norm"])
+@pytest.mark.parametrize(
+    "mode, p",  # two cases in the default run (suite budget), every case in the slow step
+    [
+        (m, p)
+        if (m, p) in (("global", 2.0), ("norm", 0.5))
+        else pytest.param(m, p, marks=pytest.mark.slow)
+        for p in (2.0, 1.0, 3.0, 0.5)
+        for m in ("global", "norm")
+    ],
+)
 def test_derivatives_match_finite_differences(mode, p):
     with jax.enable_x64(True):
         g0 = jnp.array([0.3, -1.2, 2.0, 0.7], jnp.float64)  # norm well above the threshold
@@ -121,6 +131,7 @@ def test_derivatives_match_finite_differences(mode, p):
         pytest.param(2.0**-70, 64, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_norm_gradient_at_norms_beyond_2_pow_126(value, n):
     """d||x||/dx = x / ||x|| where the norm is a normal number above 2**126 (XLA:CPU divides
     by a broadcast scalar through its reciprocal, which is 0 there) or tiny."""
@@ -142,6 +153,7 @@ def test_norm_gradient_at_norms_beyond_2_pow_126(value, n):
         pytest.param((3.0,), ("norm",), id="more", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_second_derivatives_match_the_formulas(ps, modes):
     """Hessians through the norm and the clipping (the norm is not a constant in its own
     derivative): H||x||_p = (p-1)/n (diag r^(p-2) - r^(p-1) r^(p-1)^T), r = |x|/n, and for
@@ -168,6 +180,7 @@ def test_second_derivatives_match_the_formulas(ps, modes):
         pytest.param(("norm", "rows", "example"), id="more", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_derivatives_where_the_float32_norm_overflows(modes):
     """Four values of 3e38 (norm 6e38): the Jacobian of the clipped update is
     (c/n)(I - x x^T/n^2) in forward and reverse mode, and d||x||/dx = x/n, although the
@@ -201,6 +214,7 @@ def test_derivatives_where_the_float32_norm_overflows(modes):
         pytest.param(jaxclip.standard_clip, id="standard", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_gradient_through_an_infinite_threshold_is_the_identity(make):
     """An infinite clip norm keeps every update: the gradient is exactly 1 (f0 = inf,
     f1 = 0 never meet in the transpose)."""
@@ -210,6 +224,7 @@ def test_gradient_through_an_infinite_threshold_is_the_identity(make):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_inf_norm_keeps_nan_in_large_leaves(dtype):
     """XLA:CPU's library max of 4096 or more values loses a NaN (-inf, or a wrong max);
     p = inf must still return NaN, and the right maximum without one."""
@@ -234,6 +249,7 @@ def test_inf_norm_keeps_nan_in_large_leaves(dtype):
         pytest.param((2, 5000), (100.0, 1000.0, 1e6, 1e30, 0.2), id="more", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_extreme_norm_types(sizes, ps):
     """p far above 64 (where the largest scaled term, in [0.5, 1)^p, would underflow) and
     p far below 1 (f**(1/p) would): ||x||_p = m (sum (|x|/m)^p)^(1/p) in float64, inf
@@ -264,6 +280,7 @@ def test_extreme_norm_types(sizes, ps):
     assert float(jaxclip.global_norm(jnp.array([3.0, 4.0]), 0.001)) == math.inf  # 3.7e301
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_derivatives_through_bfloat16_buckets():
     """Small bfloat16 leaves are concatenated as 16-bit words; the derivative still flows:
     d||x||/dx = x/n, and the per-leaf clip's Jacobian is (c/n)(I - x x^T/n^2)."""
@@ -306,6 +323,7 @@ def test_error_if_nonfinite_eager_and_jit():
     np.testing.assert_allclose(out["enc"]["w"], [0.6, 0.8], rtol=1e-6)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_complex_leaves_use_modulus():
     z = jnp.array([3 + 4j, 0 + 0j, 1e20 + 1e20j], jnp.complex64)
     for p in P_ALL:
@@ -321,6 +339,7 @@ def test_complex_leaves_use_modulus():
     "dtype", [jnp.float32, jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)]
 )
 @pytest.mark.parametrize("mode", ["global", "norm", "norm_axes", "global_inf", "global_p3"])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_no_upcast_copy_in_temporaries(mode, dtype):
     g = {"a": jnp.ones((512, 512), dtype), "b": jnp.ones((256, 512), dtype)}
     f = {
@@ -382,6 +401,7 @@ def _blue_fns():
         for m in BLUE_MIXES
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_three_accumulator_rare_path_is_exact(mix):
     rng = np.random.default_rng(1)
     parts = [m * rng.uniform(0.5, 1.0, n) * rng.choice([-1.0, 1.0], n) for m, n in BLUE_MIXES[mix]]
@@ -409,6 +429,7 @@ def _assert_value(got, want) -> None:
 @pytest.mark.parametrize(
     ("shape", "axes"), [((262144, 4), 0), ((2148, 1024), 0), ((3, 3, 300, 512), (0, 1, 2))]
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_sums_over_leading_axes_of_large_float16_leaves_are_accurate(shape, axes):
     # Leaves of 1 MiB and more are summed over leading axes a few rows at a time
     # (backend._looped_sum): blocks of 256 rows, and a tail.

@@ -53,6 +53,7 @@ def _p2(cases, at: int = 1):
 
 
 @pytest.mark.parametrize("name, p, m", _p2(d._core_cases()))
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_core_sweep(name, p, m):
     d.test_modes_match_float64_over_dtypes_and_magnitudes(name, p, m)
 
@@ -63,6 +64,7 @@ def test_nonfinite(name, p, bad, where):
 
 
 @pytest.mark.parametrize("mix", list(d.MIXES))
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_mixed_trees(mix):
     d.test_mixed_trees_spanning_the_range(mix)
 
@@ -79,15 +81,18 @@ def test_leaf_sizes_1_to_1e6():
 
 
 @pytest.mark.parametrize("p, s", _p2(d._deriv_cases(), at=0))
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_derivatives(p, s):
     d.test_derivatives_match_float64(p, s)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_vmap_over_batched_leaves():
     d.test_vmap_over_batched_leaves()
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_sharded_over_8_devices():
     d.test_sharded_over_8_devices(2.0)
 
@@ -158,6 +163,7 @@ def test_per_example_norms_keep_the_two_paths():
     assert _has_cond(lambda t: jaxclip.clip_tree_per_example(t, 1.0)[0], g)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_environment_variable():
     def run(value: str) -> subprocess.CompletedProcess:
         code = "from jaxclip._norms import backend; print(backend.ONE_PASS)"

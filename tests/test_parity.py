@@ -22,6 +22,7 @@ MATRIX = np.asarray(RECORDED["inputs"]["matrix"], np.float32)
     RECORDED["torch"]["clip_grad_norm_"],
     ids=lambda c: f"p{c['norm_type']}-c{c['max_norm']}",
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_torch_clip_grad_norm_(case):
     p = math.inf if case["norm_type"] == "inf" else case["norm_type"]
     clipped, total = jaxclip.clip_tree_by_global_norm(TENSORS, case["max_norm"], norm_type=p)
@@ -48,6 +49,7 @@ def test_torch_clip_grad_value_(case):
     RECORDED["tensorflow"]["clip_by_norm"],
     ids=lambda c: f"axes{c['axes']}-c{c['clip_norm']}",
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_tf_clip_by_norm(case):
     out, _ = jaxclip.clip_tree_by_norm(MATRIX, case["clip_norm"], axes=case["axes"])
     np.testing.assert_allclose(out, np.asarray(case["result"]), rtol=2e-6)
@@ -80,6 +82,7 @@ def _paddle_need_clip(form: str, bias_need_clip: bool):
 @pytest.mark.parametrize(
     "case", RECORDED["paddle"]["steps"], ids=lambda c: f"{c['clip']}-bias{c['bias_need_clip']}"
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_paddle_sgd_step(case, form):
     need_clip = _paddle_need_clip(form, case["bias_need_clip"])
     clip = {

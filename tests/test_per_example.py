@@ -64,6 +64,7 @@ def _close(got, want, rtol):
     "p, reduce",
     [(2.0, "sum"), (2.0, "mean"), (2.0, None), (1.0, None), (1.5, "sum"), (math.inf, "mean")],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_matches_float64_reference(p, reduce):
     g = _grads()
     got, norms = jaxclip.clip_tree_per_example(g, 1.0, norm_type=p, reduce=reduce)
@@ -82,6 +83,7 @@ def test_unclipped_examples_bit_for_bit():
         assert np.array_equal(np.asarray(y)[kept].view(np.uint32), x[kept].view(np.uint32))
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_parity_with_optax_global_and_layer_and_dp_aggregate():
     g = _grads()
     leaves = jax.tree.leaves(g)
@@ -219,6 +221,7 @@ def test_rules_see_one_example_not_the_batch_axis(need_clip):
     _close(got, want, 2e-6)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_init_and_update_find_the_same_groups_by_rank():
     # init sees the params, update the per-example gradients: a rank rule must agree.
     g = _grads()
@@ -230,6 +233,7 @@ def test_init_and_update_find_the_same_groups_by_rank():
     np.testing.assert_allclose(state.norms[2], n, rtol=2e-6)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_grad_and_chain():  # jit: the doctests and test_inject_hyperparams_...
     g = jax.tree.map(jnp.asarray, _grads())
     g = {**g, "head": [g["head"][0].at[0].set(0.0)]}
@@ -258,6 +262,7 @@ def test_grad_and_chain():  # jit: the doctests and test_inject_hyperparams_...
     [{}, {"batch_size": 2, "group": lambda path, leaf: path}],
     ids=["no_batch_size", "batch_size_group"],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_init_state_matches_update_state(kwargs):
     g = _ZEROS  # the noise test's tree: the same compiled program without group
     params = jax.tree.map(lambda x: x[0], g)
@@ -270,6 +275,7 @@ def test_init_state_matches_update_state(kwargs):
         assert jax.typeof(a) == jax.typeof(b)  # shape, dtype and weak type
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_inject_hyperparams_traced_clip_norm_no_recompile():
     g = _grads()
     params = jax.tree.map(lambda x: np.zeros(x.shape[1:], x.dtype), g)
@@ -352,6 +358,7 @@ def test_errors_name_the_leaf():
         tx.update(g, tx.init(params))
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_integer_and_float0_leaves_with_a_reduction():
     # An integer param: jax.grad(allow_int=True) gives a float0 gradient, which loses its
     # batch axis like every reduced leaf, so the update has the params' shapes.
@@ -380,6 +387,7 @@ def test_integer_and_float0_leaves_with_a_reduction():
 
 @xla_cpu_only
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_no_per_example_copy_and_temp_within_optax(dtype):
     """The sum contracts the per-example factors with each leaf: XLA's temp holds no
     clipped or widened (batch, ...) copy and stays at optax's (whose
@@ -445,6 +453,7 @@ _FLAGGED = {
 @pytest.mark.parametrize(
     "p", [2.0, 3.0, pytest.param(0.5, marks=pytest.mark.slow)]
 )  # p=0.5: the slow step
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_examples_out_of_range_match_float64(case, p):
     """Padding (all-zero) examples and examples whose powers underflow or overflow take
     the rare path, alone or with the whole batch: each example's norm and the sum match
@@ -469,6 +478,7 @@ def _per_example_jit(p):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_low_precision_padding_examples(dtype):
     """16-bit leaves with one padding and one tiny example (rows read one at a time)."""
     mags = list(_MOST)

@@ -112,6 +112,7 @@ def test_optax_per_example_global_norm_clip():  # test_per_example_global_norm_c
     assert int(np.sum(np.asarray(norms) > 1.0)) == 2  # optax's num_clipped
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_optax_per_example_layer_norm_clip():  # test_per_example_layer_norm_clip, uniform
     grads = [jnp.array([[0.5], [1.5], [-2.0], [3.0]]), jnp.ones((4, 3, 3, 2), jnp.float32)]
     # Uniform variant: global clip sqrt(2) over 2 layers is 1.0 per layer.
@@ -133,6 +134,7 @@ def _torch_total_norm(grads: list[np.ndarray], p: float) -> float:
 
 
 @pytest.mark.parametrize("p", [0.5, 1.5, 2.0, 4.0, math.inf])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_torch_clip_grad_norm(p):  # test_nn.py TestNN.test_clip_grad_norm
     max_norm = 2.0
     grads = [np.arange(1.0, 101).reshape(10, 10), np.ones(10) / 1000]
@@ -171,6 +173,7 @@ def test_torch_clip_grad_norm_error_if_nonfinite(p):  # test_clip_grad_norm_erro
         ([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], 4.0, None, [[0.0, 0, 0], [0.0, 0, 0]]),
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_tf_clip_by_norm(x, clip, axes, want):
     out, _ = jaxclip.clip_tree_by_norm(jnp.asarray(x), clip, axes=axes)
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=0)

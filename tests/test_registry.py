@@ -273,6 +273,7 @@ def _eager_run(case_id: str) -> list:
 
 
 @each_transform
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_jit_matches_eager(case):
     run, eager = _jit_run(case.id), _eager_run(case.id)
     for i, step in enumerate(JIT_STEPS):
@@ -390,6 +391,7 @@ def test_state_carries_through_scan(case):
 
 
 @each_transform
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_multisteps_emits_the_update_of_the_mean_gradient(case):
     run = _scan_run(case.id)
     for i, pair in enumerate(CHUNKS):
@@ -421,6 +423,7 @@ def test_inject_hyperparams_schedule(case):
         )
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_the_registry_holds_every_public_transformation():
     """A public factory that returns a GradientTransformation and has no registry entry
     would escape every check here; each entry's example builds, with the state type and

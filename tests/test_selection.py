@@ -198,6 +198,7 @@ def _seen_paths(tree):
 
 
 @pytest.mark.parametrize("framework", MODELS)
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_need_clip_sees_parameter_names_for_params_and_grads(framework):
     params, grads = MODELS[framework]()
     names = set(ROLES[framework])
@@ -248,6 +249,7 @@ def test_rules_select_the_same_parameters_in_every_framework(framework, rule):
             assert after is before, path
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_rules_inside_nnx_optimizer():
     # Inside nnx.Optimizer the updates are plain arrays (no Variables): the same selection.
     rule, chosen = jaxclip.exclude_biases_and_norms(), _expected("nnx", MATRICES)

@@ -133,6 +133,7 @@ SLOW_MODES = {
 @pytest.mark.parametrize(
     "mode", [pytest.param(m, marks=[pytest.mark.slow] if m in SLOW_MODES else []) for m in MODES]
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_mixed_tree_every_mode_gives_each_device_the_single_device_result(mode):
     host = _host()
     (out, aux), hlo = _run(MODES[mode], host, _mesh())
@@ -249,6 +250,7 @@ def test_wrong_axis_name_and_ambiguous_slices_are_clear_errors():
     [AxisType.Auto, pytest.param(AxisType.Explicit, marks=pytest.mark.slow)],
     ids=["auto", "explicit"],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_small_meshes_with_sharded_and_replicated_small_leaves(n, kind):
     """The one-device mesh (every laptop) and two devices: a sharded leaf next to small
     replicated ones of several dtypes, under jit, in a chain."""
@@ -289,6 +291,7 @@ def test_named_vmap_with_axis_name_combines_over_the_vmapped_axis():
     np.testing.assert_allclose(n["a"], np.full(4, full), rtol=2e-6)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_tensor_parallel_layer_agc_and_per_example_inside_shard_map():
     """A column-parallel layer: kernel (in, out) and bias split over "model". AGC's kernel
     units (columns) are whole on each device (axis_name=()), its bias is one unit whose
@@ -368,6 +371,7 @@ def _assert_independent(blocks):
     assert np.abs(corr).max() < 0.12, corr  # 2048 draws: sd 0.022
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_dp_noise_is_drawn_once_over_data_parallel_devices():
     """Each of 8 data-parallel devices sums its examples; their sum over "data" must have
     the noise std of one draw (1.0), not 8 identical draws (std 8)."""
@@ -404,6 +408,7 @@ def test_dp_noise_with_check_vma_false_is_refused():
         jax.jit(f)(jax.device_put(np.zeros((16, 4), np.float32), NamedSharding(mesh, P("data"))))
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_data_parallel_per_example_names_axis_name_empty_and_reads_its_own_rows():
     """Batch of 32 split over 8 devices, some of whose examples are zero (padding) or tiny:
     each device re-reads only its own out-of-range rows, and the norms and the summed

@@ -45,14 +45,7 @@ EXTRA = {
 }
 MODES = {m.name: (m.name, {}) for m in _registry.MODES} | EXTRA
 #: A few (layout, mode) pairs in the default run (suite budget); every pair runs slow.
-FAST = {
-    ("shard_map_tp", "clip_by_norm_rows"),
-    ("shard_map_tp", "zclip"),
-    ("pmap_tp", "auto_clip"),
-    ("shard_map_dp", "adaptive_clip_per_example"),
-    ("jit_explicit", "clip_by_global_norm"),
-    ("shard_map_tp_unchecked", "skip_large_updates"),
-}
+FAST = {("shard_map_tp", "clip_by_norm_rows"), ("pmap_tp", "auto_clip")}
 
 
 def _host(tree: Any) -> Any:

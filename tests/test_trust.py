@@ -52,6 +52,7 @@ def test_large_low_precision_sums_are_accurate():
         (jnp.float32, 1e25, (0, 2)),  # axes not adjacent
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_slices_over_middle_axes_are_accurate(dtype, value, axes):
     """Slices over a middle axis were one sequential sum: 9e-3 off at 3e5 elements."""
     shape = (2, 300_000, 2) if axes == (1,) else (300, 2, 1000)
@@ -170,6 +171,7 @@ _VALUE_CLIP = jax.jit(lambda x, lo, hi: jaxclip.clip_tree_by_value(x, hi, lo))
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_value_bounds_hold_for_subnormals(dtype, jit):
     """XLA:CPU's float compares treat subnormals as 0: min=0 let -1e-40 through, and
     min = max = 1e-40 let 0 and 2e-40 through."""
@@ -192,6 +194,7 @@ def test_value_bounds_hold_for_subnormals(dtype, jit):
         np.testing.assert_array_equal(np.signbit(out[inside]), np.signbit(x64[inside]))
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_typed_prng_key_leaves_pass_through():
     """A typed key leaf crashed every mode (``Cannot interpret 'key<fry>' as a data type``)."""
     key = jax.random.key(0)
@@ -217,6 +220,7 @@ def test_typed_prng_key_leaves_pass_through():
         pytest.param(math.inf, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_size_zero_leaves_with_axes(p):
     """A size-0 leaf whose kept dimensions hold the 0 crashed per-slice p != inf norms
     (``cannot reshape array of shape (1, 0) into shape ()``)."""
@@ -252,6 +256,7 @@ def test_traced_value_bounds_that_cross_give_max():
         pytest.param(math.inf, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_complex_modulus_beyond_float32_for_every_norm_type(p):
     """Finite parts, ``|z|`` above float32's largest value: every p but 2 scaled by 0
     (``|z|`` overflowed in the maxima)."""
@@ -270,6 +275,7 @@ def test_complex_modulus_beyond_float32_for_every_norm_type(p):
 
 
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_per_example_norms_beyond_clip_norm_times_2_126_are_not_zeroed(reduce):
     """With a reduction, a factor ``c / n`` below float32's normal range was formed as a
     number and flushed to 0 by XLA:CPU: examples of norm above ~1e38 vanished from the sum
@@ -304,6 +310,7 @@ def test_per_example_lift_leaves_room_for_large_clip_norms():
         math.inf,
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_derivative_through_a_complex_modulus_beyond_float32_is_finite(p):
     """|z| overflowed in the derivative rule: NaN gradients for p > 1 (p=2 included)."""
     z = jnp.asarray([3e38 + 3e38j], jnp.complex64)
@@ -324,6 +331,7 @@ def test_derivative_through_a_complex_modulus_beyond_float32_is_finite(p):
         (4, 3e38, 1e-30, 2.0),  # c / n ~ 2**-228: two normal factors still reach it
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_factors_beyond_two_normal_factors_never_leave_outputs_above_c(n, x, c, p):
     """c / n below ~2**-251 was clamped there: outputs stayed 8x (p=2, c=1.5e-38) to 1e12x
     (p=0.1) above c. Outputs are x * c / n to float32's rounding, 0 where that is below

@@ -82,6 +82,7 @@ def _jitted(p: float, clipped_only: bool):
         ]
     ],
 )
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_zero_and_tiny_rows_match_float64_in_every_mode(p, dtype):
     big = 1e3 if dtype == jnp.float16 else 1e30
     x = _rows(dtype, big)
@@ -108,6 +109,7 @@ def test_batched_clip_norms_under_vmap_take_the_exact_path_where_one_is_small():
     assert 0 < float(jnp.max(jnp.abs(out[1]))) < 1e-27
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_gradient_through_zero_and_tiny_rows():
     x = _rows(np.float32)
     w = np.random.default_rng(1).normal(size=x.shape).astype(np.float32)
@@ -240,6 +242,7 @@ def test_transform_state_under_vmap_is_each_examples_largest_norm():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_transform_on_sharded_leaves_explicit_axes_and_shard_map():
     x = np.full((64, 128), 1e-20, np.float32)
     x[0] = 1.0
