@@ -90,6 +90,7 @@ def test_nan_propagates_for_every_norm_type(p):
     assert int(state.skipped) == 1
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_derivatives_through_the_scaled_path():
     x = jnp.array([1.0, 2.0, 3.0, 4.0])
     for s in (1e25, 1e-22):
