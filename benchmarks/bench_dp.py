@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from bench import _time_interleaved
 
 import jaxclip
 
@@ -163,18 +164,6 @@ def theirs(loss: Callable, m: int | None) -> Callable:
     )
 
 
-def _time_interleaved(fns: list[Callable], args: tuple, reps: int) -> list[list[float]]:
-    for f in fns:
-        jax.block_until_ready(f(*args))
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for i, f in enumerate(fns):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[i].append(time.perf_counter() - t0)
-    return times
-
-
 def run(model: str, dtype: Any, micro: list[int | None], reps: int) -> list[dict[str, Any]]:
     make, batch = MODELS[model]
     loss, params, x, y = make(jax.random.key(0), batch, dtype)
@@ -193,7 +182,7 @@ def run(model: str, dtype: Any, micro: list[int | None], reps: int) -> list[dict
         compile_s.append(time.perf_counter() - t0)
         temps.append(int(c.memory_analysis().temp_size_in_bytes))
         compiled.append(c)
-    times = _time_interleaved(compiled, (params, x, y), reps)
+    times = _time_interleaved(compiled, [(params, x, y)] * len(compiled), reps)
     out = []
     for (name, m, _), t, s, tt in zip(rows, temps, compile_s, times):
         out.append({

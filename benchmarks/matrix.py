@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from bench import _median_ratio, _time_interleaved
 
 import jaxclip
 from jaxclip import _registry
@@ -244,18 +245,6 @@ def _compiles(side: str, fn: Callable, args: tuple, times: int, cap: float) -> A
     return compiled
 
 
-def _time_alternating(fns: list[Callable], args: tuple, reps: int) -> list[list[float]]:
-    for f in fns:
-        jax.block_until_ready(f(*args))
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for i, f in enumerate(fns):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[i].append(time.perf_counter() - t0)
-    return times
-
-
 def run_cell(cell: Cell, quick: bool, reps: int, compiles: int, cap: float, known: float) -> None:
     """Measures one cell, emitting its fields as JSON lines (the parent collects them)."""
     batch = 16 if cell.mode in PER_EXAMPLE else None
@@ -272,12 +261,11 @@ def run_cell(cell: Cell, quick: bool, reps: int, compiles: int, cap: float, know
     c_theirs = _compiles("theirs", theirs.update, args_theirs, 1 if known >= 0 else compiles, cap)
     if known >= 0:
         _emit(theirs_compile_s=known)
-    pair = [lambda: c_ours(*args_ours), lambda: c_theirs(*args_theirs)]
-    t_ours, t_theirs = _time_alternating(pair, (), reps)
+    t_ours, t_theirs = _time_interleaved([c_ours, c_theirs], [args_ours, args_theirs], reps)
     _emit(
         run_ms=1e3 * statistics.median(t_ours),
         counterpart_run_ms=1e3 * statistics.median(t_theirs),
-        run_ratio=statistics.median(a / b for a, b in zip(t_ours, t_theirs)),
+        run_ratio=_median_ratio(t_ours, t_theirs),
         reps=reps,
         phase="done",
     )

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxclip import _axes, _checks, _norms, _tree, per_example
+from jaxclip import _axes, _checks, _tree, per_example
 from jaxclip._checks import NormType
 from jaxclip.per_example import Group, Reduce
 
@@ -537,7 +537,7 @@ def adaptive_clip_per_example(
             tree = _noised_sum(updates, std if noisy_sum else None, k_sum, reduce, rows, need_clip)
         # Data parallel: the examples of every device count (the norms vary across the
         # axes that split the batch), and the count's noise is drawn once.
-        split = tuple(sorted(_norms.varying(norms))) if _norms.vma_tracked() else ()
+        split = per_example.batch_device_axes(norms)
         if rows:
             rows *= math.prod(jax.lax.axis_size(a) for a in split)
         expected = float(expected_num_records or rows or 1)  # rows: a static shape

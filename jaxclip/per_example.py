@@ -414,10 +414,16 @@ def _device_noise(key: Array, x: Array, axis_name: _norms.LeafAxes, path: str) -
     return key, 1 / math.sqrt(devices)
 
 
+def batch_device_axes(v: Array) -> tuple[str, ...]:
+    """Inside ``shard_map``, the axes that split the batch, for a statistic of this
+    device's examples (the axes it varies across); none where JAX does not track them."""
+    return tuple(sorted(_norms.varying(v))) if _norms.vma_tracked() else ()
+
+
 def _mean_over_batch_devices(v: Array) -> Array:
-    """Inside ``shard_map``, the mean of a per-device statistic of the examples over the
-    axes that split the batch (those it varies across; equal shares of the batch)."""
-    axes = tuple(sorted(_norms.varying(v))) if _norms.vma_tracked() else ()
+    """The mean of a per-device statistic over the axes that split the batch (equal
+    shares of the batch)."""
+    axes = batch_device_axes(v)
     return lax.pmean(v, axes) if axes else v
 
 
