@@ -132,9 +132,9 @@ def clip_slices(
     """Each leaf (each slice over its ``axes``) scaled to norm at most ``clip_norm``.
 
     The factors need no exact norm of slices too small to reach ``clip_norm`` (all-zero
-    rows): the norms returned do (``report="exact"``, a second pass where such slices
-    exist, which XLA drops when they are unused), or only as far as each leaf's largest
-    (``"largest"``).
+    rows): the norms returned do (``report="exact"``: the units holding such slices are
+    read again, in the one rare pass), or only as far as each leaf's largest
+    (``"largest"``: read again only where that largest may be small).
 
     Returns:
       ``(clipped, norms)``: the scaled leaves, and per leaf its norms with the ``axes``
@@ -192,8 +192,9 @@ def clip_slices_relative(
     # as eps, so all-zero rows of either need no second pass.
     eps_floor = jnp.min(jnp.asarray(eps))
     floor = jnp.min(clipping * eps_floor)
-    (norms, _), where = _unit_norms(leaves, 2.0, axes, True, axis_name, paths, True, floor)
-    (rnorms, _), rwhere = _unit_norms(refs, 2.0, axes, True, axis_name, paths, True, eps_floor)
+    args = (True, axis_name, paths, True)
+    (norms, _), where = _unit_norms(leaves, 2.0, axes, *args, floor, "none")
+    (rnorms, _), rwhere = _unit_norms(refs, 2.0, axes, *args, eps_floor, "none")
     if where != rwhere or [n.frac.shape for n in norms] != [n.frac.shape for n in rnorms]:
         return None
 

@@ -3,9 +3,10 @@
 Each unit's plain sums are one pass; one ``lax.cond`` for all units takes the rare path
 only when some sum is out of its exact range, and there only the units out of range
 read their data again. With a ``floor`` (the clip norm), slices too small to reach it
-(all-zero rows: unused embeddings, frozen leaves) are not read again at all: their
-norms count as 0 in the ``floored`` result that clipping reads, and the ``reported``
-norms take their own ``lax.cond``, which XLA drops when the caller does not use them.
+(all-zero rows: unused embeddings, frozen leaves) count as 0 in the ``floored`` result
+that clipping reads; they are read again only for the ``reported`` norms, in the same
+rare pass (one conditional per unit serves both results: compile time grows with the
+units once, not once per result).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jaxclip._norms.arith import (
     where_norm,
 )
 from jaxclip._norms.backend import Axes, native, one_pass, rare_native
-from jaxclip._norms.devices import Combine, has_unmapped, pmax, psum
+from jaxclip._norms.devices import Combine, has_unmapped, pmax, psum, varying
 from jaxclip._norms.passes import blue_norm, blue_sums, inf_norms, inf_result, max_abs, power_sum
 from jaxclip._norms.rare import max_shift, shift_factors, shifted_norm, shifted_sum, sum_shift
 from jaxclip._norms.rules import batchable, norm_tangent, tangent
@@ -39,6 +40,7 @@ from jaxclip._norms.stacking import (
     any_of,
     every,
     groups_of,
+    some,
     stack,
     stacked,
     unstack,
@@ -126,7 +128,7 @@ def _shifted_by_max(
         t = shifted_sum(x, p, a, fused, shift_factors(e, mant, acc_dtype(x.dtype), False))
         return m, jnp.where(good, e, -jnp.inf), psum(t, c)
 
-    return lax.cond(jnp.all(ok | (m == 0)), functools.partial(_neutral, m), parts)
+    return lax.cond(every(ok | (m == 0)), functools.partial(_neutral, m), parts)
 
 
 def _finish(p: float, s: Array, ok: Array, t: Array, m: Array | None = None, e: Any = None) -> Norm:
@@ -177,65 +179,79 @@ def _rare(
 
 def _small_leaves(sums: _Sums, u: int) -> Array:
     """Per leaf of unit ``u`` (a bucket's rows, else the unit, one per example under the
-    vmap rule), whether it has a small slice and none of a plain sum of 4 lo or more
-    (above any small slice's norm, see ``arith.floor_bound``). Reductions, not segment
-    ops: a scatter over a sharded unit's sums fails under explicit sharding."""
+    vmap rule), whether its largest plain sum is below 4 lo (above any small slice's
+    norm, see ``arith.floor_bound``): its largest norm may be small. Reductions, not
+    segment ops: a scatter over a sharded unit's sums fails under explicit sharding."""
     s = sums.sums[u]
     if sums.bucketed[u]:
         return _low(s)
     dims = tuple(range(1 if sums.batch > 1 else 0, s.ndim))
-    return _low(jnp.min(s, dims)) & ~(jnp.max(s, dims) >= 4 * exact_lo(s.dtype))
+    return ~(jnp.max(s, dims) >= 4 * exact_lo(s.dtype))
 
 
 def _floored(sums: _Sums, floor: Array, all_ok: Array, report: str) -> tuple[Any, Any]:
-    """``(floored, reported)`` stacked norms for a clip norm of at least ``floor``."""
+    """``(floored, reported)`` stacked norms for a clip norm of at least ``floor``, out
+    of one ``lax.cond`` whose rare branch reads each unit again at most once for both."""
     p, flat = sums.p, sums.flat
     dtypes = sorted({v.dtype for v in flat}, key=str)
     fine = tuple(floor.astype(d) >= floor_bound(d, p) for d in dtypes)
 
-    def fine_of(fines: Any, v: Array) -> Array:
-        return fines[dtypes.index(v.dtype)]
+    def fine_of(v: Array) -> Array:
+        return fine[dtypes.index(v.dtype)]
 
-    any_low = [jnp.any(_low(v)) for v in flat]
-    over = any_of([jnp.any(~(v < jnp.inf)) for v in flat])  # overflowed, or NaN
-    need = any_of([over] + [lo & ~fine_of(fine, v) for lo, v in zip(any_low, flat)])
-    left = any_of([lo & fine_of(fine, v) for lo, v in zip(any_low, flat)])
+    low = [_low(v) for v in flat]
+    over = any_of([some(~(v < jnp.inf)) for v in flat])  # overflowed, or NaN
+    need = any_of([over] + [some(lo) & ~fine_of(v) for lo, v in zip(low, flat)])
+    small: list[Array] = []  # per unit, whether a leaf's largest norm may be small
+    if report == "exact":  # exact reported norms: every slice out of range is read again
+        go = ~all_ok
+    elif report == "largest":
+        small = lax.cond(
+            all_ok, functools.partial(_none_small, sums), functools.partial(_some_small, sums)
+        )
+        go = need | any_of(small)
+    else:
+        go = need
 
-    def rare_pass(ops: tuple[tuple[Array, ...], Array]) -> list[Norm]:
-        # One traced function for every use, told apart by operands: a unit is read
-        # again unless its slices out of range are all small where ``fines`` says the
-        # floor is above them; with ``whole``, unless it is settled (no overflow, and
-        # each of its leaves has a norm above every small one).
-        fines, whole = ops
+    def rare_pass() -> list[Norm]:
+        # A unit is read again unless both results can do without: its slices out of
+        # range are all small where the floor is above them (floored: an overflow or NaN
+        # is never small), and (reported) it is all in range, or no leaf's largest
+        # norm may be small.
         oks = _in_range_flags(sums)
         settled = []
         for u, (s, ok) in enumerate(zip(sums.sums, oks)):
-            kept = every(ok | (_low(s) & fine_of(fines, s)))
-            if report == "largest":
-                small = jnp.any(_small_leaves(sums, u))
-                kept = jnp.where(whole, ~jnp.any(~(s < jnp.inf)) & ~small, kept)
-            settled.append(kept)
+            if report == "exact":
+                settled.append(every(ok))
+                continue
+            kept = every(ok | (_low(s) & fine_of(s)))
+            settled.append(kept & ~small[u] if small else kept)
         return _rare(sums, oks, settled)
 
-    def cheap(ops: Any) -> list[Norm]:
-        return [Norm(*(jnp.where(_low(v), 0, h) for h in n)) for v, n in zip(flat, _in_range(sums))]
+    norms = lax.cond(go, rare_pass, functools.partial(_in_range, sums))
+    # Slices too small to reach the floor count 0 for clipping: exact or not, their
+    # factor is 1, and the derivative rule reads 0 as "kept".
+    floored = [
+        Norm(*(jnp.where(lo & fine_of(v), 0, h) for h in n)) for lo, v, n in zip(low, flat, norms)
+    ]
+    return floored, (floored if report == "none" else norms)
 
-    no, yes = jnp.zeros((), bool), jnp.ones((), bool)
-    floored = lax.cond(need, rare_pass, cheap, (fine, no))
 
-    def keep(ops: Any) -> list[Norm]:
-        return floored
+def _some_small(sums: _Sums) -> list[Array]:
+    """Per unit, whether some leaf's largest norm may be small (see :func:`_small_leaves`)."""
+    return [some(_small_leaves(sums, u)) for u in range(len(sums.sums))]
 
-    if report == "exact":  # floored is exact when all is in range, or no slice was skipped
-        exact = (tuple(no for _ in fine), no)
-        return floored, lax.cond(all_ok | (need & ~left), keep, rare_pass, exact)
 
-    def some_small() -> Array:
-        return any_of([jnp.any(_small_leaves(sums, u)) for u in range(len(sums.sums))])
+def _none_small(sums: _Sums) -> list[Array]:
+    """:func:`_some_small` where all sums are in range: False per unit, varying as its
+    sums do (inside ``shard_map`` both branches of a cond must)."""
+    return [_false_like(s) for s in sums.sums]
 
-    # False varying as all_ok does (inside shard_map both branches must).
-    some = lax.cond(all_ok, lambda: all_ok & False, some_small)
-    return floored, lax.cond(some, rare_pass, keep, (fine, yes))
+
+def _false_like(s: Array) -> Array:
+    axes = tuple(sorted(varying(s)))
+    false = jnp.zeros((), bool)
+    return lax.pcast(false, axes, to="varying") if axes else false
 
 
 def unit_norms_body(
@@ -256,7 +272,8 @@ def unit_norms_body(
     known to be below it: a slice whose plain sum is too small to be exact is read again
     only when ``floor`` is below ``arith.floor_bound`` (a clipping factor keeps such a
     slice whatever its exact norm). ``reported`` is, for ``report="exact"``, exact
-    everywhere; for ``"largest"``, exact enough that each leaf's largest norm is exact.
+    everywhere; for ``"largest"``, exact enough that each leaf's largest norm is exact;
+    for ``"none"`` (a caller that reads only ``floored``), ``floored`` again.
     A leaf is a row of a bucket, else a whole unit, or under the vmap rule (``batch``
     examples leading) one example of it. With ``static_split`` the norms are split out
     of their stacked vectors at constant offsets, for a caller that stacks them again.
@@ -273,7 +290,7 @@ def unit_norms_body(
     groups = groups_of(plain)
     flat = [v for (v,) in stack(groups, plain)]
     sums = _Sums(units, p, axes, bucketed, combines, batch, plain, groups, flat)
-    all_ok = all_of([jnp.all(in_exact_range(v, v.dtype)) for v in flat])
+    all_ok = all_of([every(in_exact_range(v, v.dtype)) for v in flat])
     shapes = [v.shape for v in plain]
 
     def split(results: Any) -> list[Norm]:

@@ -37,7 +37,15 @@ def any_of(flags: Sequence[Array]) -> Array:
 
 def every(ok: Array) -> Array:
     """Whether all of ``ok`` holds, as a scalar."""
-    return ok.reshape(()) if ok.size == 1 else jnp.all(ok)
+    return ok.reshape(()) if ok.size == 1 else ~some(~ok)
+
+
+def some(flags: Array) -> Array:
+    """Whether any of ``flags`` holds, as a scalar: a float maximum, which XLA:CPU
+    compiles to one kernel where a boolean reduction is a chain of several."""
+    if flags.size == 1:
+        return flags.reshape(())
+    return jnp.max(flags.astype(jnp.float32)) > 0
 
 
 def groups_of(first: Sequence[Array]) -> Groups:
