@@ -484,3 +484,27 @@ def test_blue_single_pass_at_every_magnitude():
     got = ref.f64(rows.frac) * 2.0 ** ref.f64(rows.exp)
     _check(got[:, 0], ref.norm([x], 2.0, (1,))[:, 0], 2e-7, "rows")
     _check(ref.f64(total.frac) * 2.0 ** ref.f64(total.exp), ref.norm([x[:4]], 2.0), 2e-7, "all")
+
+
+def test_max_keeping_nan_orders_nan_above_inf_in_every_width():
+    """The largest of non-negative values, NaN if one is (of either sign bit: x86's
+    default NaN is negative), at 5000 elements (XLA:CPU's library max), per row too."""
+    kernel = jax.jit(_norms.max_keeping_nan, static_argnums=1)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        info = jnp.finfo(dtype)
+        x = np.zeros((4, 5000), np.float32)
+        x[0, 17] = float(info.max)
+        x[1, 4000] = np.inf
+        x[1, 10] = float(info.tiny)
+        x[2, 2500] = 3.0
+        x[3, :] = 1.5
+        v = jnp.asarray(x, dtype)
+        rows = np.asarray(kernel(v, (1,)), np.float32)[:, 0]
+        np.testing.assert_array_equal(rows, [float(info.max), np.inf, 3.0, 1.5])
+        assert float(kernel(v, None)) == np.inf
+        for nan in (np.nan, -np.nan):
+            y = v.at[2, 4999].set(nan)
+            assert np.isnan(float(kernel(y, None)))
+            rows = np.asarray(kernel(y, (1,)), np.float32)[:, 0]
+            np.testing.assert_array_equal(np.isnan(rows), [False, False, True, False])
+        assert float(kernel(jnp.zeros((0,), dtype), None)) == 0.0
