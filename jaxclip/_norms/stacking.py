@@ -45,7 +45,7 @@ def some(flags: Array) -> Array:
     compiles to one kernel where a boolean reduction is a chain of several."""
     if flags.size == 1:
         return flags.reshape(())
-    return jnp.max(flags.astype(jnp.float32)) > 0
+    return jnp.max(flags.astype(jnp.float32), initial=0) > 0  # False for no flags
 
 
 def groups_of(first: Sequence[Array]) -> Groups:
