@@ -142,16 +142,12 @@ def clip_tree_by_value(
         (lo_d, hi_d), by_keys = per_dtype[x.dtype]
         # lax, not jnp.where and jnp.clip: jitted functions, two calls per leaf in the
         # program. Values inside the bounds come back bit for bit, NaN stays NaN.
-        if by_keys:
+        if by_keys or x.dtype.itemsize == 2:
             # XLA:CPU's float compares treat subnormals as 0, which against a zero,
             # subnormal or traced bound changes the answer (min=0 let -1e-40 through).
-            lo_x, hi_x = _norms.spread(lo_d, x), _norms.spread(hi_d, x)
-            k, klo, khi = _order_key(x), _order_key(lo_x), _order_key(hi_x)
-            inside = lax.bitwise_and(lax.ge(k, klo), lax.le(k, khi))
-            # max where min > max (traced bounds that cross), as clamp, jnp.clip, torch
-            below = lax.bitwise_and(lax.lt(k, klo), lax.le(klo, khi))
-            out = lax.select(below, lo_x, hi_x)
-            return lax.select(lax.bitwise_or(inside, lax.ne(x, x)), x, out)
+            # 16-bit floats take this path always: their integer keys clamp natively,
+            # where XLA:CPU computes float16/bfloat16 in float32.
+            return _clip_by_keys(x, lo_d, hi_d)
         # Bounds of normal magnitude: XLA:CPU's clamp flushes an inside subnormal x to 0,
         # which compares equal to x (the compare flushes too), so x is kept; an outside x
         # differs from its bound, and NaN from itself. One clamp (scalar bounds need no
@@ -175,15 +171,29 @@ def _normal_bound(bound: ArrayLike, dtype: Any) -> bool:
     return bool(np.all(mag >= float(jnp.finfo(dtype).tiny)))
 
 
-def _order_key(x: Array) -> Array:
-    """Integers in the order of the float values of ``x`` (-0 and +0 alike; NaN at the ends).
+def _order_key(x: Array) -> tuple[Array, Array]:
+    """Integers in the order of the float values of ``x`` (-0 and +0 alike; NaN at the
+    ends), and whether each is NaN.
 
     Sign and magnitude bits become a signed integer, so the comparison is exact on every
     backend, subnormals included.
     """
     bits = lax.bitcast_convert_type(x, jnp.dtype(f"int{x.dtype.itemsize * 8}"))
     mag = lax.bitwise_and(bits, jnp.asarray(jnp.iinfo(bits.dtype).max, bits.dtype))
-    return lax.select(lax.lt(bits, jnp.zeros((), bits.dtype)), lax.neg(mag), mag)
+    inf = lax.bitcast_convert_type(jnp.asarray(jnp.inf, x.dtype), bits.dtype)
+    return lax.select(lax.lt(bits, jnp.zeros((), bits.dtype)), lax.neg(mag), mag), mag > inf
+
+
+def _clip_by_keys(x: Array, lo: Array, hi: Array) -> Array:
+    """``x`` clipped into ``[lo, hi]`` (bounds that broadcast to ``x``) by integer keys:
+    values inside come back bit for bit, NaN stays NaN, and where ``lo > hi`` (traced
+    bounds that cross) the result is ``hi``, as clamp, ``jnp.clip`` and torch give."""
+    (k, nan), (klo, _), (khi, _) = _order_key(x), _order_key(lo), _order_key(hi)
+    if klo.ndim or khi.ndim:  # lax ops take scalar bounds or bounds of x's shape
+        klo, khi = _norms.spread(klo, x), _norms.spread(khi, x)
+    below = lax.bitwise_and(lax.lt(k, klo), lax.le(klo, khi))
+    keep = lax.bitwise_or(lax.eq(lax.clamp(klo, k, khi), k), nan)
+    return lax.select(keep, x, lax.select(below, _norms.spread(lo, x), _norms.spread(hi, x)))
 
 
 def clip_tree_by_norm(

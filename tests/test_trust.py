@@ -241,10 +241,17 @@ def test_size_zero_leaves_with_axes(p):
 def test_traced_value_bounds_that_cross_give_max():
     """min > max (traced, so unchecked) gives max everywhere, as ``lax.clamp``,
     ``jnp.clip`` and ``torch.clamp`` do; the integer-key path gave min below it."""
-    x = jnp.array([-3.0, 0.5, 3.0])
-    np.testing.assert_array_equal(_VALUE_CLIP(x, np.float32(2.0), np.float32(1.0)), 1.0)
-    f = jax.jit(lambda t, m: jaxclip.clip_tree_by_value(t, m))
-    np.testing.assert_array_equal(f(x, -1.0), -1.0)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):  # 16-bit: integer keys always
+        x = jnp.array([-3.0, 0.5, 3.0], dtype)
+        two, one = np.asarray(2.0, dtype), np.asarray(1.0, dtype)
+        np.testing.assert_array_equal(_VALUE_CLIP(x, two, one), np.ones(3, dtype))
+        f = jax.jit(lambda t, m: jaxclip.clip_tree_by_value(t, m))
+        np.testing.assert_array_equal(f(x, -1.0), -np.ones(3, dtype))
+        # Constant bounds, NaN of either sign bit kept, inside values bit for bit.
+        y = jnp.array([np.nan, -np.nan, -0.0, 0.25, -7.0, np.inf], dtype)
+        out = np.asarray(jaxclip.clip_tree_by_value(y, 1.0)).astype(np.float64)
+        assert np.isnan(out[:2]).all() and np.signbit(out[2]), out
+        np.testing.assert_array_equal(out[2:], [-0.0, 0.25, -1.0, 1.0])
 
 
 @pytest.mark.parametrize(
