@@ -142,11 +142,12 @@ def clip_tree_by_value(
         (lo_d, hi_d), by_keys = per_dtype[x.dtype]
         # lax, not jnp.where and jnp.clip: jitted functions, two calls per leaf in the
         # program. Values inside the bounds come back bit for bit, NaN stays NaN.
-        if by_keys or x.dtype.itemsize == 2:
+        if by_keys or (x.dtype.itemsize == 2 and x.size >= _KEYS_MIN_SIZE):
             # XLA:CPU's float compares treat subnormals as 0, which against a zero,
             # subnormal or traced bound changes the answer (min=0 let -1e-40 through).
-            # 16-bit floats take this path always: their integer keys clamp natively,
-            # where XLA:CPU computes float16/bfloat16 in float32.
+            # Large 16-bit leaves take this path always: their integer keys clamp
+            # natively, where XLA:CPU computes float16/bfloat16 in float32 (small ones
+            # keep the float kernel, which compiles faster and runs as fast there).
             return _clip_by_keys(x, lo_d, hi_d)
         # Bounds of normal magnitude: XLA:CPU's clamp flushes an inside subnormal x to 0,
         # which compares equal to x (the compare flushes too), so x is kept; an outside x
@@ -159,6 +160,10 @@ def clip_tree_by_value(
         return lax.select(lax.ne(x, c), c, x)
 
     return sel.rebuild([clip(x) for x in sel.chosen])
+
+
+#: 16-bit leaves of at least this many elements are value-clipped by integer keys.
+_KEYS_MIN_SIZE = 1 << 16
 
 
 def _normal_bound(bound: ArrayLike, dtype: Any) -> bool:

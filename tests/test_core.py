@@ -508,3 +508,9 @@ def test_max_keeping_nan_orders_nan_above_inf_in_every_width():
             rows = np.asarray(kernel(y, (1,)), np.float32)[:, 0]
             np.testing.assert_array_equal(np.isnan(rows), [False, False, True, False])
         assert float(kernel(jnp.zeros((0,), dtype), None)) == 0.0
+    with jax.enable_x64(True):  # 64-bit norms (float64 leaves) as 64-bit integers
+        y = np.full(5000, 1e300)
+        y[3] = np.finfo(np.float64).max
+        assert float(kernel(jnp.asarray(y), None)) == np.finfo(np.float64).max
+        y[4000] = -np.nan
+        assert np.isnan(float(kernel(jnp.asarray(y), None)))

@@ -48,6 +48,8 @@ LOOP_MIN_BYTES = 1 << 20
 LOOP_CHUNK_OF = 64
 #: The rare path shifts rows of at least this many elements in the library reduction.
 LIBRARY_ROW_MIN = 64
+#: ... and a whole leaf's loop reads rows of the largest divisor of its size up to this.
+LOOP_WHOLE_ROW = 1024
 #: Per-example norms re-read the rows of their out-of-range examples one at a time when
 #: at most one in this many examples is out of range, else the whole batch at once...
 ROWS_APART_OF = 8
@@ -228,9 +230,15 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
     reduction, the chunks' sums added into one partial sum per ``block`` chunks, the
     partial sums then added by the library reduction (pairwise). On XLA:CPU the fused
     reduce over a leading axis is about 10x slower than this; a chunk's upcast is at most
-    ``1 / LOOP_CHUNK_OF`` of the leaf's bytes. None where that does not apply (trailing
-    axes, small leaves or few rows, several sums, a leaf split across devices, whose
-    dynamic slices XLA would gather)."""
+    ``1 / LOOP_CHUNK_OF`` of the leaf's bytes. A whole leaf (``flat`` 1-D) is read as
+    rows of the largest divisor of its size up to :data:`LOOP_WHOLE_ROW` (the fused
+    reduce of a whole float16 leaf is about 3x slower). None where that does not apply
+    (trailing axes, small leaves or few rows, several sums, a leaf split across devices,
+    whose dynamic slices XLA would gather)."""
+    if flat.ndim == 1:  # a whole leaf: rows of a divisor of its size, then their sum
+        width = math.gcd(flat.size, LOOP_WHOLE_ROW)
+        whole = None if width < LIBRARY_ROW_MIN else flat.reshape(-1, width)
+        return None if whole is None else _sum_or_none(_looped_sum(whole, elem, 0, block))
     length, row = flat.shape[at], flat.size // flat.shape[at]
     if at == flat.ndim - 1 or flat.nbytes < max(LOOP_MIN_BYTES, row * 4 * LOOP_CHUNK_OF):
         return None
@@ -264,6 +272,10 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
         tail = lax.slice_in_dim(flat, chunks * step, length, axis=at)
         r = r + reduce(tail, elem, (at,), "sum", True).reshape(shape)
     return r.reshape(kept)
+
+
+def _sum_or_none(x: Array | None) -> Array | None:
+    return None if x is None else jnp.sum(x)
 
 
 def variadic_sum(x: Array, elem: Elem, axes: Axes, fused: bool) -> tuple[Array, ...]:
