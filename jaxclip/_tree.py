@@ -130,6 +130,8 @@ class Selection:
     selected: tuple[bool, ...]
     #: What ``need_clip`` and ``group`` rules are shown per leaf (see :func:`select`).
     views: list[Any]
+    #: The structure of per-leaf results (see :meth:`per_leaf`).
+    results_treedef: Any = None
 
     @property
     def indices(self) -> list[int]:
@@ -158,11 +160,14 @@ class Selection:
 
     def per_leaf(self, values: Sequence[Any], fill: Any = None) -> PyTree:
         """A tree of the gradients' structure: ``values`` at selected leaves, ``fill``
-        elsewhere (states use ``optax.MaskedNode()``, as ``optax.masked`` does)."""
+        elsewhere (states use ``optax.MaskedNode()``, as ``optax.masked`` does). Variable
+        wrappers (see :func:`_wrapper_types`) are left out: a per-leaf norm is a scalar,
+        not a parameter, and a wrapper would give it the parameter's metadata (Flax NNX's
+        sharding of a kernel, which no scalar can take)."""
         leaves: list[Any] = [fill] * len(self.leaves)
         for i, v in zip(self.indices, values, strict=True):
             leaves[i] = v
-        return self.treedef.unflatten(leaves)
+        return (self.results_treedef or self.treedef).unflatten(leaves)
 
 
 def is_params_placeholder(params: Any) -> bool:
@@ -409,7 +414,17 @@ def select(
                 "with need_clip."
             )
         selected.append(bool(w))
-    return Selection(treedef, leaves, paths, tuple(selected), views)
+    return Selection(treedef, leaves, paths, tuple(selected), views, _unwrapped(tree, treedef))
+
+
+def _unwrapped(tree: PyTree, treedef: Any) -> Any:
+    """The structure of ``tree`` with each variable wrapper (of one leaf) as a leaf in
+    its place; ``treedef`` where there are none, or a wrapper holds other than one leaf."""
+    wrappers = _wrapper_types()
+    if not wrappers:
+        return treedef
+    outer = jtu.tree_structure(tree, is_leaf=lambda x: isinstance(x, wrappers))
+    return outer if outer.num_leaves == treedef.num_leaves else treedef
 
 
 def group_labels(

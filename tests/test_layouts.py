@@ -214,6 +214,28 @@ def test_flax_nnx_partition_specs_serve_as_axis_name():
     np.testing.assert_allclose(np.asarray(got["kernel"][...]), want, rtol=2e-6)
 
 
+def test_nnx_optimizer_on_a_partition_annotated_model_keeps_scalar_norms():
+    """``nnx.Optimizer`` builds states from ``nnx.Param`` variables: a per-leaf norm
+    wrapped in one took the kernel's sharding (a rank-2 spec on a scalar: construction
+    failed). The norms are plain scalars, each leaf's largest row norm."""
+    from flax import nnx
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    with jax.set_mesh(mesh):
+        lin = nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0))
+        tx = jaxclip.clip_by_norm(0.05, axes=-1, need_clip=lambda path, leaf: leaf.ndim == 2)
+        opt = nnx.Optimizer(lin, optax.chain(tx, optax.sgd(0.1)), wrt=nnx.Param)
+        x = jnp.linspace(-1.0, 1.0, 32).reshape(4, 8)
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(lin)
+        opt.update(lin, grads)
+    norms = opt.opt_state[0].norms
+    assert isinstance(norms["bias"], optax.MaskedNode)
+    kernel = np.asarray(norms["kernel"])  # a scalar, not a Param
+    g = ref.f64(grads["kernel"][...])
+    np.testing.assert_allclose(kernel, np.max(np.linalg.norm(g, axis=-1)), rtol=2e-6)
+
+
 def test_specs_that_do_not_fit_their_leaves_name_them():
     """A spec with more entries than its leaf has dimensions (a prefix entry over a bias),
     and, in a global-norm mode, a leaf varying across an axis its spec does not name."""
