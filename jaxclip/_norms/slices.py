@@ -30,7 +30,7 @@ from jaxclip._norms.arith import (
     where_norm,
 )
 from jaxclip._norms.backend import Axes, native, one_pass, rare_native
-from jaxclip._norms.devices import Combine, has_unmapped, pmax, psum, varying
+from jaxclip._norms.devices import Combine, has_unmapped, pmax, psum
 from jaxclip._norms.passes import blue_norm, blue_sums, inf_norms, inf_result, max_abs, power_sum
 from jaxclip._norms.rare import max_shift, shift_factors, shifted_norm, shifted_sum, sum_shift
 from jaxclip._norms.rules import batchable, norm_tangent, tangent
@@ -177,16 +177,26 @@ def _rare(
     return [_finish(p, *v) for v in stack(sums.groups, sums.sums, oks, ts, ms, es)]
 
 
-def _small_leaves(sums: _Sums, u: int) -> Array:
-    """Per leaf of unit ``u`` (a bucket's rows, else the unit, one per example under the
-    vmap rule), whether its largest plain sum is below 4 lo (above any small slice's
-    norm, see ``arith.floor_bound``): its largest norm may be small. Reductions, not
-    segment ops: a scatter over a sharded unit's sums fails under explicit sharding."""
+def _settled(sums: _Sums, u: int, ok: Array, fine: Array, report: str) -> Array:
+    """Whether unit ``u`` needs no second read: for the floored norms, its slices out of
+    range are all small where the floor is above them (an overflow or NaN never is);
+    for exact reported norms, it is all in range; for each leaf's largest, also no leaf
+    (a bucket's row, else the unit, one per example under the vmap rule) has all its
+    plain sums below 4 lo (above any small slice's norm, see ``arith.floor_bound``).
+    One reduction of a code per slice (2: floored needs it; 1: a large slice; else 0):
+    XLA:CPU compiles a kernel or two per distinct slice count for each reduction."""
     s = sums.sums[u]
-    if sums.bucketed[u]:
-        return _low(s)
-    dims = tuple(range(1 if sums.batch > 1 else 0, s.ndim))
-    return ~(jnp.max(s, dims) >= 4 * exact_lo(s.dtype))
+    if report == "exact" or (report == "largest" and sums.bucketed[u]):
+        return every(ok)  # a bucket's row is a leaf: its largest norm is its only one
+    if report != "largest":
+        return every(ok | (_low(s) & fine))
+    if not s.size:
+        return jnp.ones((), bool)
+    floored_need = ~ok & ~(_low(s) & fine)
+    code = jnp.where(floored_need, 2.0, jnp.where(s >= 4 * exact_lo(s.dtype), 1.0, 0.0))
+    if sums.batch == 1:
+        return jnp.max(code) == 1
+    return every(jnp.max(code, tuple(range(1, s.ndim))) == 1)
 
 
 def _floored(sums: _Sums, floor: Array, all_ok: Array, report: str) -> tuple[Any, Any]:
@@ -200,32 +210,22 @@ def _floored(sums: _Sums, floor: Array, all_ok: Array, report: str) -> tuple[Any
         return fine[dtypes.index(v.dtype)]
 
     low = [_low(v) for v in flat]
+    any_low = [some(lo) for lo in low]
     over = any_of([some(~(v < jnp.inf)) for v in flat])  # overflowed, or NaN
-    need = any_of([over] + [some(lo) & ~fine_of(v) for lo, v in zip(low, flat)])
-    small: list[Array] = []  # per unit, whether a leaf's largest norm may be small
-    if report == "exact":  # exact reported norms: every slice out of range is read again
+    need = any_of([over] + [a & ~fine_of(v) for a, v in zip(any_low, flat)])
+    if report == "exact":  # every slice out of range is read again
         go = ~all_ok
-    elif report == "largest":
-        small = lax.cond(
-            all_ok, functools.partial(_none_small, sums), functools.partial(_some_small, sums)
-        )
-        go = need | any_of(small)
+    elif report == "largest":  # a leaf's largest norm may be small only where a slice is
+        go = need | any_of(any_low)
     else:
         go = need
 
     def rare_pass() -> list[Norm]:
-        # A unit is read again unless both results can do without: its slices out of
-        # range are all small where the floor is above them (floored: an overflow or NaN
-        # is never small), and (reported) it is all in range, or no leaf's largest
-        # norm may be small.
         oks = _in_range_flags(sums)
-        settled = []
-        for u, (s, ok) in enumerate(zip(sums.sums, oks)):
-            if report == "exact":
-                settled.append(every(ok))
-                continue
-            kept = every(ok | (_low(s) & fine_of(s)))
-            settled.append(kept & ~small[u] if small else kept)
+        settled = [
+            _settled(sums, u, ok, fine_of(ok_s), report)
+            for u, (ok, ok_s) in enumerate(zip(oks, sums.sums))
+        ]
         return _rare(sums, oks, settled)
 
     norms = lax.cond(go, rare_pass, functools.partial(_in_range, sums))
@@ -235,23 +235,6 @@ def _floored(sums: _Sums, floor: Array, all_ok: Array, report: str) -> tuple[Any
         Norm(*(jnp.where(lo & fine_of(v), 0, h) for h in n)) for lo, v, n in zip(low, flat, norms)
     ]
     return floored, (floored if report == "none" else norms)
-
-
-def _some_small(sums: _Sums) -> list[Array]:
-    """Per unit, whether some leaf's largest norm may be small (see :func:`_small_leaves`)."""
-    return [some(_small_leaves(sums, u)) for u in range(len(sums.sums))]
-
-
-def _none_small(sums: _Sums) -> list[Array]:
-    """:func:`_some_small` where all sums are in range: False per unit, varying as its
-    sums do (inside ``shard_map`` both branches of a cond must)."""
-    return [_false_like(s) for s in sums.sums]
-
-
-def _false_like(s: Array) -> Array:
-    axes = tuple(sorted(varying(s)))
-    false = jnp.zeros((), bool)
-    return lax.pcast(false, axes, to="varying") if axes else false
 
 
 def unit_norms_body(
