@@ -234,7 +234,10 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
     rows of the largest divisor of its size up to :data:`LOOP_WHOLE_ROW` (the fused
     reduce of a whole float16 leaf is about 3x slower). None where that does not apply
     (trailing axes, small leaves or few rows, several sums, a leaf split across devices,
-    whose dynamic slices XLA would gather)."""
+    whose dynamic slices XLA would gather, bfloat16, whose upcast XLA:CPU would hoist out
+    of the loop into a widened copy of the leaf)."""
+    if flat.dtype == jnp.bfloat16:  # XLA:CPU would widen the whole leaf out of the loop
+        return None
     if flat.ndim == 1:  # a whole leaf: rows of a divisor of its size, then their sum
         width = math.gcd(flat.size, LOOP_WHOLE_ROW)
         whole = None if width < LIBRARY_ROW_MIN else flat.reshape(-1, width)
