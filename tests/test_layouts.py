@@ -214,6 +214,7 @@ def test_flax_nnx_partition_specs_serve_as_axis_name():
     np.testing.assert_allclose(np.asarray(got["kernel"][...]), want, rtol=2e-6)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_nnx_optimizer_on_a_partition_annotated_model_keeps_scalar_norms():
     """``nnx.Optimizer`` builds states from ``nnx.Param`` variables: a per-leaf norm
     wrapped in one took the kernel's sharding (a rank-2 spec on a scalar: construction

@@ -219,7 +219,10 @@ def test_floored_norms_skip_the_small_slices_and_the_reported_ones_do_not():
         np.testing.assert_allclose(got[big], exact[big], rtol=4e-7)
 
 
-@pytest.mark.parametrize("report", ["exact", "largest"])
+@pytest.mark.parametrize(
+    "report",
+    [pytest.param("exact", marks=pytest.mark.slow), "largest"],  # suite budget
+)
 def test_one_rare_branch_per_unit_serves_clipping_and_the_norms(report):
     """The clipped leaves and the reported norms share one rare pass: a conditional per
     unit (the leaf alone here) and a few for the call, however many results are used;
