@@ -242,7 +242,10 @@ def test_transform_state_under_vmap_is_each_examples_largest_norm():
     g = np.zeros((2, 4, 8), np.float32)
     g[0, 0] = 1.0
     g[1] = 1e-20
-    for axes, x in ((1, g), (None, np.concatenate([g] * 1024, axis=2))):  # unbucketed
+    tiny = np.full((2, 4, 8), 1e-20, np.float32)  # no example has a large slice
+    tiny[1, 1:] = 0.0
+    cases = [(1, g), (None, np.concatenate([g] * 1024, axis=2)), (1, tiny)]  # unbucketed
+    for axes, x in cases:
         tx = jaxclip.clip_by_norm(1.0, axes=axes)
         got = jax.jit(jax.vmap(lambda v, tx=tx: tx.update(v, tx.init(v))[1].norms))(x)
         want = [np.max(ref.norm([v], 2.0, (1,) if axes else None)) for v in x]
