@@ -441,3 +441,20 @@ def test_data_parallel_per_example_names_axis_name_empty_and_reads_its_own_rows(
     )
     with pytest.raises(ValueError, match=r"Data parallel .* is axis_name=\(\)"):
         jax.jit(unnamed)(placed)
+
+
+def test_float16_row_loops_inside_shard_map():
+    """Float16 blocks of 1 MiB and more are summed a few rows at a time (a loop whose
+    carry must vary as the block does): whole, and over the leading axis."""
+    x = np.random.default_rng(3).lognormal(0.0, 2.0, (4096, 1024)).astype(np.float16)
+    x64 = x.astype(np.float64)
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    whole = jax.shard_map(jaxclip.global_norm, mesh=mesh, in_specs=P("d", None), out_specs=P())
+    np.testing.assert_allclose(float(jax.jit(whole)(x)), np.sqrt(np.sum(x64**2)), rtol=1e-6)
+
+    def rows(t):
+        return jaxclip.clip_tree_by_norm(t, 1.0, axes=0, axis_name=())[1]
+
+    per = jax.shard_map(rows, mesh=mesh, in_specs=P(None, "d"), out_specs=P("d"))
+    want = np.sqrt(np.sum(x64**2, axis=0))
+    np.testing.assert_allclose(ref.f64(jax.jit(per)(x)), want, rtol=1e-6)

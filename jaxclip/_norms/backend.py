@@ -270,6 +270,8 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
         return lax.dynamic_update_index_in_dim(sums, total, j, 0)
 
     first = jnp.zeros((-(-chunks // block), *shape), out.dtype)
+    axes = tuple(sorted(varying(flat)))  # inside shard_map the carry varies as the sums do
+    first = lax.pcast(first, axes, to="varying") if axes else first
     r = jnp.sum(lax.fori_loop(0, chunks, add, first), axis=0)
     if chunks * step < length:
         tail = lax.slice_in_dim(flat, chunks * step, length, axis=at)
