@@ -83,6 +83,7 @@ def test_clipped_grad_matches_float64_formula(micro):
     np.testing.assert_allclose(aux.values, 0.5 * r**2, rtol=1e-5)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_clipped_grad_padding_examples_add_nothing():
     params, x, y = _data(1)
     pad = np.zeros(B, bool)
