@@ -33,6 +33,20 @@ import jaxclip
 CLIP = 1.0
 
 
+def transformer_shapes(d: int, layers: int) -> dict[str, tuple[int, ...]]:
+    """A transformer's leaves: an ``8d x d`` embedding, then per layer the attention
+    kernels and biases and a ``4d`` MLP (12 leaves a layer)."""
+    shapes: dict[str, tuple[int, ...]] = {"embed": (8 * d, d)}
+    for i in range(layers):
+        per_layer = {
+            "q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d),
+            "q_b": (d,), "k_b": (d,), "v_b": (d,), "o_b": (d,),
+            "mlp_in": (d, 4 * d), "mlp_in_b": (4 * d,), "mlp_out": (4 * d, d), "mlp_out_b": (d,),
+        }  # fmt: skip
+        shapes.update({f"layer{i:02d}/{k}": s for k, s in per_layer.items()})
+    return shapes
+
+
 def trees(quick: bool) -> dict[str, dict[str, jax.Array]]:
     """(a) 10 large leaves, (b) a transformer-shaped tree, (c) 1000 small leaves (120 with
     --quick), (d) (c) in bf16."""
@@ -40,15 +54,9 @@ def trees(quick: bool) -> dict[str, dict[str, jax.Array]]:
     big = (256, 1024) if quick else (1024, 1640)  # full: 16.8M float32 parameters
     d, layers = (128, 8) if quick else (256, 16)
     large = {f"w{i}": rng.normal(size=big).astype(np.float32) for i in range(10)}
-    tf: dict[str, Any] = {"embed": rng.normal(size=(8 * d, d)).astype(np.float32)}
-    for layer in range(layers):
-        shapes = {
-            "q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d),
-            "q_b": (d,), "k_b": (d,), "v_b": (d,), "o_b": (d,),
-            "mlp_in": (d, 4 * d), "mlp_in_b": (4 * d,), "mlp_out": (4 * d, d), "mlp_out_b": (d,),
-        }  # fmt: skip
-        for name, s in shapes.items():
-            tf[f"layer{layer}/{name}"] = rng.normal(size=s).astype(np.float32)
+    tf: dict[str, Any] = {
+        k: rng.normal(size=s).astype(np.float32) for k, s in transformer_shapes(d, layers).items()
+    }
     n_small = 120 if quick else 1000
     small = {f"p{i:04d}": rng.normal(size=(1000,)).astype(np.float32) for i in range(n_small)}
     out = {"a_10_large": large, "b_transformer": tf, f"c_{n_small}_small": small}

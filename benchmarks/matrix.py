@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from bench import _median_ratio, _time_interleaved
+from bench import _median_ratio, _time_interleaved, transformer_shapes
 
 import jaxclip
 from jaxclip import _registry
@@ -83,18 +83,6 @@ class Cell(NamedTuple):
         return f"{self.mode}/{self.layout}/{self.tree}/{self.dtype}" + ("/quick" if quick else "")
 
 
-def _transformer(d: int, layers: int) -> Shapes:
-    shapes: Shapes = {"embed": (8 * d, d)}
-    for i in range(layers):
-        per_layer = {
-            "q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d),
-            "q_b": (d,), "k_b": (d,), "v_b": (d,), "o_b": (d,),
-            "mlp_in": (d, 4 * d), "mlp_in_b": (4 * d,), "mlp_out": (4 * d, d), "mlp_out_b": (d,),
-        }  # fmt: skip
-        shapes.update({f"layer{i:02d}/{k}": s for k, s in per_layer.items()})
-    return shapes
-
-
 def _conv(widths: list[int]) -> Shapes:
     """HWIO kernels: 3x3 mostly, a 1x1 after every fourth."""
     return {
@@ -118,7 +106,7 @@ def tree_shapes(tree: str, quick: bool, batched: bool) -> Shapes:
             return {"w": (1024, 1024), "k": (256, 256, 3, 3), "v": (4096,)}
         return {"w": (2048, 2048), "k": (512, 512, 3, 3), "u": (1024, 4096), "v": (4096,)}
     if tree == "transformer":
-        return _transformer(32 if batched else (64 if quick else 128), 4 if quick else 25)
+        return transformer_shapes(32 if batched else (64 if quick else 128), 4 if quick else 25)
     if tree == "conv":
         widths = [16] * 20 if batched else [64] * 5 + [128] * 5 + [256] * 10
         return _conv(widths[:8] if quick else widths)
