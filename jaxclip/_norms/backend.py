@@ -240,8 +240,10 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
         return None
     if flat.ndim == 1:  # a whole leaf: rows of a divisor of its size, then their sum
         width = math.gcd(flat.size, LOOP_WHOLE_ROW)
-        whole = None if width < LIBRARY_ROW_MIN else flat.reshape(-1, width)
-        return None if whole is None else _sum_or_none(_looped_sum(whole, elem, 0, block))
+        if width < LIBRARY_ROW_MIN:  # rows too short to read fast
+            return None
+        columns = _looped_sum(flat.reshape(-1, width), elem, 0, block)
+        return None if columns is None else jnp.sum(columns)
     length, row = flat.shape[at], flat.size // flat.shape[at]
     if at == flat.ndim - 1 or flat.nbytes < max(LOOP_MIN_BYTES, row * 4 * LOOP_CHUNK_OF):
         return None
@@ -277,10 +279,6 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
         tail = lax.slice_in_dim(flat, chunks * step, length, axis=at)
         r = r + reduce(tail, elem, (at,), "sum", True).reshape(shape)
     return r.reshape(kept)
-
-
-def _sum_or_none(x: Array | None) -> Array | None:
-    return None if x is None else jnp.sum(x)
 
 
 def variadic_sum(x: Array, elem: Elem, axes: Axes, fused: bool) -> tuple[Array, ...]:

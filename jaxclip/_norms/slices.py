@@ -223,8 +223,8 @@ def _floored(sums: _Sums, floor: Array, all_ok: Array, report: str) -> tuple[Any
     def rare_pass() -> list[Norm]:
         oks = _in_range_flags(sums)
         settled = [
-            _settled(sums, u, ok, fine_of(ok_s), report)
-            for u, (ok, ok_s) in enumerate(zip(oks, sums.sums))
+            _settled(sums, u, ok, fine_of(s), report)
+            for u, (ok, s) in enumerate(zip(oks, sums.sums))
         ]
         return _rare(sums, oks, settled)
 
