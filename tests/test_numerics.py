@@ -454,3 +454,72 @@ def test_sums_over_leading_axes_of_large_float16_leaves_are_accurate(shape, axes
     got = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=axes)[1])(x)
     want = np.sqrt(np.sum(np.square(np.asarray(x, np.float64)), axis=axes))
     np.testing.assert_allclose(ref.f64(got), want, rtol=1e-5)
+
+
+_NARROW_CASES = [
+    (jnp.float16, 2.0),
+    (jnp.float16, 1.0),
+    (jnp.float16, 4.0),
+    (jnp.float8_e4m3fn, 2.0),
+    (jnp.float8_e5m2, 3.0),
+]
+
+
+@functools.cache
+def _narrow_norms(p: float):
+    """Global, per-row and per-example norms of one tree, one program per p."""
+
+    def norms(t):
+        g = jaxclip.global_norm(t, norm_type=p)
+        rows = jaxclip.clip_tree_by_norm(t, 1.0, axes=-1, norm_type=p)[1]
+        per_example = jaxclip.clip_tree_per_example(t, 1.0, norm_type=p)[1]
+        return g, rows, per_example
+
+    return jax.jit(norms)
+
+
+def _extremes(dtype) -> np.ndarray:
+    """Rows of a dtype's extremes: its smallest magnitude, its largest value, zeros,
+    and magnitudes spread over its whole range, both signs."""
+    info = jnp.finfo(dtype)
+    # bfloat16 subnormals are float32 subnormals, which XLA:CPU flushes (they count 0).
+    tiny = float(info.tiny if dtype == jnp.bfloat16 else info.smallest_subnormal)
+    big = float(info.max)
+    rng = np.random.default_rng(0)
+    spread = np.exp2(rng.uniform(np.log2(tiny), np.log2(big), (5, 300)))
+    rows = [np.full(300, tiny), np.full(300, big), np.zeros(300), np.full(300, -tiny)]
+    x = np.concatenate([np.stack(rows), spread * rng.choice([-1, 1], spread.shape)])
+    return np.asarray(jnp.asarray(x, dtype))  # rounded to the dtype
+
+
+@pytest.mark.parametrize(("dtype", "p"), _NARROW_CASES, ids=str)
+def test_narrow_dtypes_are_exact_with_no_rare_path(dtype, p):
+    """float16 and float8 terms |x|**p (moderate p) are normal float32 numbers whose sums
+    cannot overflow, whatever the data: their norms take no conditional (no rare
+    branch to compile) and are exact at the dtype's extremes, subnormals included."""
+    x = _extremes(dtype)
+    fn = _narrow_norms(p)
+    assert "conditional(" not in fn.lower({"w": x}).compile().as_text()
+    g, rows, per_example = fn({"w": x})
+    x64 = np.abs(x.astype(np.float64))
+    want_rows = np.sum(x64**p, axis=-1) ** (1 / p)
+    np.testing.assert_allclose(ref.f64(rows["w"]), want_rows, rtol=2e-6)
+    np.testing.assert_allclose(ref.f64(per_example), want_rows, rtol=2e-6)
+    np.testing.assert_allclose(float(g), np.sum(x64**p) ** (1 / p), rtol=2e-6)
+
+
+@pytest.mark.parametrize(("dtype", "p"), [(jnp.bfloat16, 2.0), (jnp.float16, 6.0)], ids=str)
+def test_wider_terms_keep_the_rare_path(dtype, p):
+    """bfloat16 squares (float32's exponent range, doubled) and float16's sixth powers
+    (2**-144 for its smallest subnormal) leave float32's range: the rare path stays, and
+    gives the exact norm of rows whose plain sums underflow or overflow."""
+    x = _extremes(dtype)
+    fn = _narrow_norms(p)
+    assert "conditional(" in fn.lower({"w": x}).compile().as_text()
+    _, rows, per_example = fn({"w": x})
+    x64 = np.abs(x.astype(np.float64))
+    m = np.max(x64, axis=-1, keepdims=True)
+    want_rows = m[:, 0] * np.sum((x64 / np.where(m > 0, m, 1)) ** p, axis=-1) ** (1 / p)
+    want_rows = np.where(want_rows > np.finfo(np.float32).max, np.inf, want_rows)
+    np.testing.assert_allclose(ref.f64(rows["w"]), want_rows, rtol=2e-6)
+    np.testing.assert_allclose(ref.f64(per_example), want_rows, rtol=2e-6)

@@ -22,10 +22,12 @@ derivative rule and the batching rule), ``stacking`` (scalar maths once for all 
 A p-norm ``(sum |x|^p)^(1/p)`` (``max |x|`` for ``p=inf``) costs one pass in the common
 case: the plain power sum, accumulated in float32 (float64 for 64-bit leaves) with the
 upcast fused into the reduction. Only when that sum overflowed, is NaN, or is too small
-to be exact does a ``lax.cond`` take the rare path. Norms are carried as ``(frac, exp)``
-so the clipping factor ``c / n`` is exact at any magnitude. Where the backend flushes
-subnormals (XLA:CPU does), subnormal inputs count as zero in every norm; they are still
-returned bit for bit when nothing is clipped.
+to be exact does a ``lax.cond`` take the rare path; float16 and float8 data, whose terms
+cannot leave float32's range (``arith.always_exact``), compile none. Norms are carried
+as ``(frac, exp)`` so the clipping factor ``c / n`` is exact at any magnitude. Where
+the backend flushes subnormals (XLA:CPU does), subnormal float32 and bfloat16 inputs
+count as zero in every norm; they are still returned bit for bit when nothing is
+clipped.
 
 The names below are the package's interface; the rest of jaxclip uses no other.
 """

@@ -232,6 +232,28 @@ def in_exact_range(s: Array, acc: Any) -> Array:
     return (s >= exact_lo(acc)) & (s < jnp.inf)
 
 
+#: The most terms a power sum adds in :func:`always_exact` (256 TiB of 16-bit data).
+MAX_TERMS = 2.0**47
+
+
+def always_exact(dtype: Any, p: float) -> bool:
+    """Whether every plain power sum of ``dtype`` data is exact as it stands, whatever
+    the data: each nonzero term ``|x|**p`` is a normal number of the accumulation dtype
+    (none underflows) and no sum of up to :data:`MAX_TERMS` of the largest overflows.
+    True for float16 and the float8 types at moderate ``p`` (``p=2``: terms from 2**-48
+    to 2**32 in float32), whose norms then need no rare path; never for complex data,
+    bfloat16 or float32, whose exponent range squares beyond float32's."""
+    dtype = np.dtype(dtype)
+    if not math.isfinite(p) or jnp.issubdtype(dtype, jnp.complexfloating):
+        return False
+    info, acc = jnp.finfo(dtype), np.finfo(acc_dtype(dtype))
+    if info.bits >= acc.bits:
+        return False
+    smallest = math.log2(float(info.smallest_subnormal)) * p
+    largest = math.log2(float(info.max)) * p + math.log2(MAX_TERMS)
+    return smallest >= acc.minexp and largest < acc.maxexp - 1
+
+
 def floor_bound(acc: Any, p: float) -> float:
     """An upper bound of the norm of a slice whose power sum is below :func:`exact_lo`:
     the sum is below ``lo``, and underflow lost less than ``n * tiny < lo`` of it, so the

@@ -22,6 +22,7 @@ from jax import lax
 from jaxclip._norms.arith import (
     Norm,
     acc_dtype,
+    always_exact,
     in_exact_range,
     in_range_norm,
     result_dtype,
@@ -122,15 +123,19 @@ def joint_norm_body(
         half = None if halves is None else combine(halves, combines, acc, "max", shape)
         return inf_result(m, half)
     by_sum = p == 2.0 and len({acc_dtype(u.dtype) for u in units}) == 1
+    # float16, float8: no plain sum leaves the exact range, whatever the data.
+    exact = all(always_exact(u.dtype, p) for u in units)
     # Per-example norms keep the two paths on every backend: one pass runs no faster on
     # their rows, with several times the temporaries.
-    if by_sum and one_pass() and not lead:
+    if by_sum and one_pass() and not lead and not exact:
         parts = [
             blue_sums(u, a, native(u, b, p, rare=True)) for u, a, b in zip(units, axes, bucketed)
         ]
         return blue_norm(*(combine(q, combines, acc, "sum", shape) for q in zip(*parts)))
     sums = [power_sum(u, p, a, native(u, b, p)) for u, a, b in zip(units, axes, bucketed)]
     s = combine(sums, combines, acc, "sum", shape)
+    if exact:
+        return in_range_norm(s, p)
     # The narrowest accumulation dtype decides: its underflow is what may be lost.
     narrow = min((acc_dtype(u.dtype) for u in units), key=lambda d: d.itemsize)
     ok = in_exact_range(s, narrow)

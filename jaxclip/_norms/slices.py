@@ -23,6 +23,7 @@ from jax import lax
 from jaxclip._norms.arith import (
     Norm,
     acc_dtype,
+    always_exact,
     exact_lo,
     floor_bound,
     in_exact_range,
@@ -261,13 +262,18 @@ def unit_norms_body(
     examples leading) one example of it. With ``static_split`` the norms are split out
     of their stacked vectors at constant offsets, for a caller that stacks them again.
     """
-    if p == math.inf or (p == 2.0 and one_pass()):
+    # float16, float8: no plain sum leaves the exact range, whatever the data.
+    exact = all(always_exact(x.dtype, p) for x in units)
+    if p == math.inf or (p == 2.0 and one_pass() and not exact):
         norms = _single_pass(units, p, axes, bucketed, combines)
         return norms if floor is None else (norms, norms)
     plain = [
         psum(power_sum(x, p, a, native(x, b, p)), c)
         for x, a, b, c in zip(units, axes, bucketed, combines)
     ]
+    if exact:
+        norms = [in_range_norm(s, p) for s in plain]
+        return norms if floor is None else (norms, norms)
     # The stacked vectors cross the cond and are split after it: split inside, each
     # unit's slice would be a kernel recomputing the whole vector's maths.
     groups = groups_of(plain)
