@@ -2,6 +2,7 @@
 
     python benchmarks/ab.py --base 62f82ff            # a few minutes on 2 CPU cores
     python benchmarks/ab.py --base HEAD~3 --reps 30
+    python benchmarks/ab.py --base HEAD~1 --only global   # the modes whose name holds it
 
 The earlier commit's ``jaxclip`` is exported (``git archive``) into a temporary folder and
 imported as ``jaxclip_base``. For each mode and tree it reports, for the base, this
@@ -108,13 +109,14 @@ def main() -> None:
     ap.add_argument("--base", default="HEAD", help="the git revision to compare against")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--compiles", type=int, default=3)
+    ap.add_argument("--only", default="", help="the modes whose name holds this text")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results_ab.json"))
     args = ap.parse_args()
     base = load_base(args.base)
     trees = {**bench.trees(quick=False), "e_1200_mixed_small": mixed_small()}
     rows = []
     for tree_name, tree in trees.items():
-        for mode in modes(jaxclip):
+        for mode in [m for m in modes(jaxclip) if args.only in m]:
             fns = [modes(base)[mode], modes(jaxclip)[mode], OPTAX[mode]]
             built = [_compile(f, tree, args.compiles) for f in fns]
             times = bench._time_interleaved([b[0] for b in built], [(tree,)] * 3, args.reps)
