@@ -199,6 +199,25 @@ def test_value_bounds_hold_for_subnormals(dtype, jit):
         np.testing.assert_array_equal(np.signbit(out[inside]), np.signbit(x64[inside]))
 
 
+@pytest.mark.parametrize("shape", [(4096, 16), (1820, 4, 3, 3)])
+def test_float16_value_clipping_keeps_every_value_inside_bit_for_bit(shape):
+    """Every float16 bit pattern (NaN of both signs, subnormals, both zeros) against normal
+    bounds, scalar and per-element: inside values (and NaN) come back bit for bit, the
+    others are the bound they crossed."""
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    x = np.resize(every, math.prod(shape)).reshape(shape)
+    x64 = x.astype(np.float64)
+    per_element = np.where(np.arange(math.prod(shape)) % 2, 1e-4, 2.0).reshape(shape)
+    for lo, hi in [(-1.0, 1.0), (-65504.0, 6e-5), (-2.0, per_element), (0.5, np.inf)]:
+        lo_d, hi_d = np.asarray(lo).astype(np.float16), np.asarray(hi).astype(np.float16)
+        out = np.asarray(_VALUE_CLIP(jnp.asarray(x), lo_d, hi_d))
+        lo64, hi64 = lo_d.astype(np.float64), hi_d.astype(np.float64)
+        inside = ((x64 >= lo64) & (x64 <= hi64)) | np.isnan(x64)
+        np.testing.assert_array_equal(out.view(np.uint16)[inside], x.view(np.uint16)[inside])
+        want = np.where(x64 < lo64, lo64, hi64)
+        np.testing.assert_array_equal(out.astype(np.float64)[~inside], want[~inside])
+
+
 @pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_typed_prng_key_leaves_pass_through():
     """A typed key leaf crashed every mode (``Cannot interpret 'key<fry>' as a data type``)."""
