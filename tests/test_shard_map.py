@@ -444,8 +444,8 @@ def test_data_parallel_per_example_names_axis_name_empty_and_reads_its_own_rows(
 
 
 def test_float16_row_loops_inside_shard_map():
-    """Float16 blocks of 1 MiB and more are summed a few rows at a time (a loop whose
-    carry must vary as the block does): whole, and over the leading axis."""
+    """Float16 blocks are summed a few rows at a time (a loop whose carry must vary as the
+    block does): whole, over the leading axis, and over the trailing one."""
     x = np.random.default_rng(3).lognormal(0.0, 2.0, (4096, 1024)).astype(np.float16)
     x64 = x.astype(np.float64)
     mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
@@ -457,4 +457,12 @@ def test_float16_row_loops_inside_shard_map():
 
     per = jax.shard_map(rows, mesh=mesh, in_specs=P(None, "d"), out_specs=P("d"))
     want = np.sqrt(np.sum(x64**2, axis=0))
+    np.testing.assert_allclose(ref.f64(jax.jit(per)(x)), want, rtol=1e-6)
+
+    def trailing(t):  # chunks of whole rows (backend._looped_rows), the rows split
+        return jaxclip.clip_tree_by_norm(t, 1.0, axes=1, axis_name=())[1]
+
+    per = jax.shard_map(trailing, mesh=mesh, in_specs=P("d", None), out_specs=P("d"))
+    assert "while(" in jax.jit(per).lower(x).compile().as_text()
+    want = np.sqrt(np.sum(x64**2, axis=1))
     np.testing.assert_allclose(ref.f64(jax.jit(per)(x)), want, rtol=1e-6)
