@@ -108,6 +108,28 @@ def test_exact_range_and_floor_bound():
     assert arith.floor_bound(np.float32, 200.0) == (4 * lo) ** (1 / 200)
 
 
+@pytest.mark.parametrize("terms", [2.0**47, 1.0])
+def test_always_exact_holds_where_no_term_leaves_the_range(terms, monkeypatch):
+    """A dtype's plain power sums need no rare path where the smallest term (its smallest
+    subnormal to the p) is a normal float32 and ``MAX_TERMS`` of the largest stay below
+    2**127 (float32's overflow threshold halved: room for rounding). Evaluated here as
+    float64 powers; with one term, the smallest term decides for float16 above p = 5.25."""
+    monkeypatch.setattr(arith, "MAX_TERMS", terms)
+    dtypes = [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2]
+    ps = [0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 5.01, 5.2, 5.3, 6.0, 8.0, 9.0, 9.2, 16.0, math.inf]
+    for dtype in dtypes:
+        info = jnp.finfo(dtype)
+        for p in ps:
+            with np.errstate(over="ignore", under="ignore"):
+                small = np.float64(info.smallest_subnormal) ** p
+                large = np.float64(info.max) ** p * terms
+            narrow = info.bits < 32 and math.isfinite(p)
+            want = narrow and small >= F32.tiny and large < 2.0**127
+            assert arith.always_exact(dtype, p) == want, (dtype, p)
+    assert not arith.always_exact(jnp.complex64, 2.0)
+    assert not arith.always_exact(jnp.float64, 2.0)
+
+
 def test_powers_and_roots_match_float64():
     a = np.array([0.0, 1e-30, 3e-8, 0.7, 1.0, 2.5, 1e5, 3e20, np.inf, np.nan], np.float32)
     for p in (1.0, 2.0, 3.0, 0.5, 1.5, 0.3, 7.5, 100.0):

@@ -117,6 +117,19 @@ def test_clip_by_norm_axes_over_a_sharded_axis_is_per_slice():
         np.testing.assert_allclose(out[k], ref.clip_each(host[k], 1.0, axes=(0,)), rtol=2e-6)
 
 
+def test_float16_rows_of_a_sharded_leaf_are_summed_in_place():
+    """Float16 row sums loop over chunks of rows on one device only: a dynamic slice of a
+    leaf split across devices would make XLA gather it."""
+    x = np.random.default_rng(2).lognormal(0.0, 2.0, (1024, 64)).astype(np.float16)
+    placed = jax.device_put(x, NamedSharding(_mesh(AxisType.Auto), P("data", "model")))
+    f = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=-1)[1])
+    hlo = f.lower(placed).compile().as_text()
+    _collectives_are_small(hlo, 1024)
+    assert "while(" not in hlo
+    want = np.sqrt(np.sum(np.square(x.astype(np.float64)), axis=-1))
+    np.testing.assert_allclose(np.asarray(f(placed), np.float64), want, rtol=2e-6)
+
+
 @pytest.mark.parametrize("p", [2.0, pytest.param(1.0, marks=pytest.mark.slow), math.inf])
 @pytest.mark.parametrize("axis_name", ["model", ("data", "model")], ids=["model", "data+model"])
 @pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)

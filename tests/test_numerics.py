@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -526,21 +527,29 @@ def test_wider_terms_keep_the_rare_path(dtype, p):
 
 
 @pytest.mark.parametrize(
-    ("shape", "axes"),
-    [((3, 3, 96, 100), -1), ((40, 65536), 1), ((257, 3, 7, 64), (2, 3)), ((8, 8, 8), 2)],
+    ("shape", "axes", "chunk"),
+    [
+        ((3, 3, 96, 100), -1, 128),  # 6 chunks of 128 rows of 100, and a tail of 96
+        ((256, 100), 1, 128),  # exactly two chunks
+        ((40, 65536), 1, 1),  # the longest rows it takes, one a chunk
+        ((257, 3, 7, 64), (2, 3), 32),
+        ((3, 65537), 1, None),  # rows too long: the fused reduce
+        ((8, 8, 8), 2, None),  # too few rows for two chunks
+    ],
 )
-def test_float16_row_sums_over_trailing_axes_are_accurate(shape, axes):
-    """Sums over trailing axes of float16 leaves read chunks of whole rows in a loop
-    (backend._looped_rows; a tail of rows where the chunk does not divide them; the
-    longest rows it takes; too few rows for a loop): exact against float64, from
-    subnormal to largest magnitudes, NaN and inf carried to their rows only."""
+def test_float16_row_sums_over_trailing_axes_are_accurate(shape, axes, chunk):
+    """Sums over trailing axes of float16 leaves read chunks of whole rows (about 16384
+    elements) in a loop (backend._looped_rows): exact against float64, from subnormal
+    to largest magnitudes, NaN and inf carried to their rows only."""
     rng = np.random.default_rng(5)
     x = np.exp2(rng.uniform(-24, 15.9, shape)) * rng.choice([-1, 1], shape)
     x = x.astype(np.float16)
     flat = x.reshape(-1, x.shape[-1])
     flat[1, 3], flat[-1, 0] = np.nan, np.inf
     f = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=axes)[1])
-    loops = "while(" in f.lower(x).compile().as_text()
-    assert loops == (shape != (8, 8, 8)), shape
+    text = f.lower(x).compile().as_text()
+    length = math.prod(shape[d] for d in np.atleast_1d(axes))
+    slices = set(re.findall(r"= (f16\[[\d,]+\])\S* dynamic-slice", text))
+    assert slices == (set() if chunk is None else {f"f16[{chunk},{length}]"}), slices
     want = np.sqrt(np.sum(np.square(x.astype(np.float64)), axis=axes))
     np.testing.assert_allclose(ref.f64(f(x)), want, rtol=2e-6)

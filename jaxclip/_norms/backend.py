@@ -296,11 +296,12 @@ def _looped_rows(rows: Array, elem: Elem) -> Array | None:
     whole rows (about :data:`LOOP_ROWS_ELEMS` elements), each upcast and summed by the
     library reduction. XLA:CPU's fused reduce over rows of a float16 leaf runs 4-6x
     slower, and its library reduction of the whole leaf widens it into a float32 copy.
-    None for rows longer than :data:`LOOP_ROWS_MAX`, fewer than two chunks, several sums,
-    or a leaf split across devices (XLA would gather its dynamic slices)."""
+    None for bfloat16, rows longer than :data:`LOOP_ROWS_MAX`, fewer than two chunks, or
+    several sums."""
     count, length = rows.shape
     # bfloat16: XLA:CPU would hoist its upcast out of the loop, a widened copy of the leaf.
-    if rows.dtype == jnp.bfloat16 or length > LOOP_ROWS_MAX or not one_device(rows):
+    # (A leaf split across devices, whose dynamic slices XLA would gather, is never fused.)
+    if rows.dtype == jnp.bfloat16 or length > LOOP_ROWS_MAX:
         return None
     step = 1 << max(0, (LOOP_ROWS_ELEMS // max(length, 1)).bit_length() - 1)
     chunks = count // step
