@@ -113,10 +113,11 @@ def test_always_exact_holds_where_no_term_leaves_the_range(terms, monkeypatch):
     """A dtype's plain power sums need no rare path where the smallest term (its smallest
     subnormal to the p) is a normal float32 and ``MAX_TERMS`` of the largest stay below
     2**127 (float32's overflow threshold halved: room for rounding). Evaluated here as
-    float64 powers; with one term, the smallest term decides for float16 above p = 5.25."""
+    float64 powers; with one term, the smallest term decides for float16 above p = 5.25
+    (2**-126 at 5.25 itself: float32's smallest normal)."""
     monkeypatch.setattr(arith, "MAX_TERMS", terms)
     dtypes = [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2]
-    ps = [0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 5.01, 5.2, 5.3, 6.0, 8.0, 9.0, 9.2, 16.0, math.inf]
+    ps = [0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 5.01, 5.2, 5.25, 5.3, 6.0, 8.0, 9.0, 9.2, 16.0, math.inf]
     for dtype in dtypes:
         info = jnp.finfo(dtype)
         for p in ps:

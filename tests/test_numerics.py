@@ -553,3 +553,14 @@ def test_float16_row_sums_over_trailing_axes_are_accurate(shape, axes, chunk):
     assert slices == (set() if chunk is None else {f"f16[{chunk},{length}]"}), slices
     want = np.sqrt(np.sum(np.square(x.astype(np.float64)), axis=axes))
     np.testing.assert_allclose(ref.f64(f(x)), want, rtol=2e-6)
+
+
+def test_float16_size_zero_leaves_with_axes():
+    """A float16 leaf whose reduced trailing axis is empty (rows of no elements) has norms
+    0 of its kept shape; one whose kept axes are empty has no norms."""
+    f = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=-1))
+    for shape in [(7, 0), (2, 3, 0), (0, 7)]:
+        x = jnp.zeros(shape, jnp.float16)
+        out, norms = f(x)
+        assert out.shape == shape and out.dtype == jnp.float16
+        np.testing.assert_array_equal(norms, np.zeros(shape[:-1], np.float32))

@@ -243,11 +243,8 @@ def always_exact(dtype: Any, p: float) -> bool:
     True for float16 and the float8 types at moderate ``p`` (``p=2``: terms from 2**-48
     to 2**32 in float32), whose norms then need no rare path; never for complex data,
     bfloat16 or float32, whose exponent range squares beyond float32's."""
-    dtype = np.dtype(dtype)
-    if not math.isfinite(p) or jnp.issubdtype(dtype, jnp.complexfloating):
-        return False
     info, acc = jnp.finfo(dtype), np.finfo(acc_dtype(dtype))
-    if info.bits >= acc.bits:
+    if info.bits >= acc.bits:  # complex64's parts are float32: never
         return False
     smallest = math.log2(float(info.smallest_subnormal)) * p
     largest = math.log2(float(info.max)) * p + math.log2(MAX_TERMS)

@@ -197,7 +197,7 @@ def reduce(
     block = BLOCK if x.dtype.itemsize > 1 else 2 * BLOCK  # chunk results <= 2% of the bytes
     n = len(dims)
     length = math.prod(x.shape[d] for d in dims)
-    if op == "sum" and s is None and x.ndim > n and dims == tuple(range(x.ndim - n, x.ndim)):
+    if op == "sum" and s is None and x.size and dims == tuple(range(x.ndim - n, x.ndim)):
         looped = _looped_rows(x.reshape(-1, length), elem)
         if looped is not None:
             return looped.reshape(kept)
@@ -292,10 +292,11 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
 
 
 def _looped_rows(rows: Array, elem: Elem) -> Array | None:
-    """The sum of ``elem(rows)`` (2-D) over its last axis (dropped): one loop over chunks of
-    whole rows (about :data:`LOOP_ROWS_ELEMS` elements), each upcast and summed by the
-    library reduction. XLA:CPU's fused reduce over rows of a float16 leaf runs 4-6x
-    slower, and its library reduction of the whole leaf widens it into a float32 copy.
+    """The sum of ``elem(rows)`` (2-D, not empty) over its last axis (dropped): one loop
+    over chunks of whole rows (about :data:`LOOP_ROWS_ELEMS` elements), each upcast and
+    summed by the library reduction. XLA:CPU's fused reduce over rows of a float16 leaf
+    runs 4-6x slower, and its library reduction of the whole leaf widens it into a
+    float32 copy.
     None for bfloat16, rows longer than :data:`LOOP_ROWS_MAX`, fewer than two chunks, or
     several sums."""
     count, length = rows.shape
@@ -303,7 +304,7 @@ def _looped_rows(rows: Array, elem: Elem) -> Array | None:
     # (A leaf split across devices, whose dynamic slices XLA would gather, is never fused.)
     if rows.dtype == jnp.bfloat16 or length > LOOP_ROWS_MAX:
         return None
-    step = 1 << max(0, (LOOP_ROWS_ELEMS // max(length, 1)).bit_length() - 1)
+    step = 1 << max(0, (LOOP_ROWS_ELEMS // length).bit_length() - 1)
     chunks = count // step
     if chunks < 2:
         return None
@@ -319,10 +320,8 @@ def _looped_rows(rows: Array, elem: Elem) -> Array | None:
     axes = tuple(sorted(varying(rows)))  # inside shard_map the carry varies as the sums do
     first = lax.pcast(first, axes, to="varying") if axes else first
     r = lax.fori_loop(0, chunks, add, first)
-    if chunks * step < count:
-        tail = jnp.sum(elem(rows[chunks * step :], None), axis=1)
-        r = lax.dynamic_update_slice_in_dim(r, tail, chunks * step, 0)
-    return r
+    tail = jnp.sum(elem(rows[chunks * step :], None), axis=1)  # the rows left (maybe none)
+    return lax.dynamic_update_slice_in_dim(r, tail, chunks * step, 0)
 
 
 def variadic_sum(x: Array, elem: Elem, axes: Axes, fused: bool) -> tuple[Array, ...]:
