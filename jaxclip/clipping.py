@@ -148,7 +148,7 @@ def clip_tree_by_value(
             # first, subnormals included), and XLA:CPU runs it fastest (a 3x3 conv
             # kernel's short last axis slows its 16-bit integer and select kernels).
             lo_d, hi_d = (_norms.spread(b, x) if b.ndim else b for b in (lo_d, hi_d))
-            return lax.clamp(lo_d, x, hi_d)
+            return _clamp(lo_d, x, hi_d)
         if by_keys or (x.dtype.itemsize == 2 and x.size >= _KEYS_MIN_SIZE):
             # XLA:CPU's float compares treat subnormals as 0, which against a zero,
             # subnormal or traced bound changes the answer (min=0 let -1e-40 through).
@@ -181,6 +181,20 @@ def _normal_bound(bound: ArrayLike, dtype: Any) -> bool:
         return False
     mag = np.abs(v.astype(dtype).astype(np.float64))
     return bool(np.all(mag >= float(jnp.finfo(dtype).tiny)))
+
+
+@jax.custom_jvp
+def _clamp(lo: Array, x: Array, hi: Array) -> Array:
+    """``lax.clamp``, whose derivative is 1 at the bounds too, as the other kernels' (and
+    ``torch.clamp``'s): ``lax.clamp``'s own is 0 there."""
+    return lax.clamp(lo, x, hi)
+
+
+@_clamp.defjvp
+def _clamp_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
+    (lo, x, hi), (_, dx, _) = primals, tangents  # the bounds are constants here
+    inside = lax.bitwise_and(lax.ge(x, lo), lax.le(x, hi))
+    return lax.clamp(lo, x, hi), lax.select(inside, dx, lax.full_like(dx, 0))
 
 
 def _order_key(x: Array) -> tuple[Array, Array]:

@@ -555,6 +555,22 @@ def test_float16_row_sums_over_trailing_axes_are_accurate(shape, axes, chunk):
     np.testing.assert_allclose(ref.f64(f(x)), want, rtol=2e-6)
 
 
+def test_float16_long_rows_keep_terms_below_half_an_ulp():
+    """A row's terms are summed in blocks (backend._row_sums): in one reduction XLA adds a
+    row in a few sequential lanes, and 32767 terms of 2**-24 next to a 1 were lost from
+    one lane (a 3-norm 4e-5 low). Rows, per-example rows, and a whole leaf."""
+    x = np.full((4, 32768), 2.0**-8, np.float16)
+    x[:, 0] = 1.0
+    want = np.sum(np.abs(x.astype(np.float64)) ** 3, axis=-1) ** (1 / 3)
+
+    def norms(t):
+        rows = jaxclip.clip_tree_by_norm(t, 1e4, axes=-1, norm_type=3.0)[1]
+        return rows, jaxclip.clip_tree_per_example(t, 1e4, norm_type=3.0)[1]
+
+    for got in jax.jit(norms)(x):
+        np.testing.assert_allclose(ref.f64(got), want, rtol=1e-6)
+
+
 def test_float16_size_zero_leaves_with_axes():
     """A float16 leaf whose reduced trailing axis is empty (rows of no elements) has norms
     0 of its kept shape; one whose kept axes are empty has no norms."""

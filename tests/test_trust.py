@@ -218,6 +218,21 @@ def test_float16_value_clipping_keeps_every_value_inside_bit_for_bit(shape):
         np.testing.assert_array_equal(out.astype(np.float64)[~inside], want[~inside])
 
 
+def test_value_clipping_derivative_is_one_on_the_bounds_in_every_dtype():
+    """As torch.clamp's: 1 inside the bounds and on them, 0 outside (float16 takes
+    lax.clamp alone, whose own derivative is 0 on the bounds)."""
+    v = np.array([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0], np.float32)
+    want = np.array([0, 1, 1, 1, 1, 0], np.float32)
+    for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
+        for hi in (1.0, np.ones(6, np.float32)):  # concrete bounds: each dtype's own kernel
+
+            def loss(t, hi=hi):
+                return jnp.sum(jaxclip.clip_tree_by_value(t, hi) * 1.0)
+
+            g = jax.grad(loss)(jnp.asarray(v, dtype))
+            np.testing.assert_array_equal(np.asarray(g, np.float32), want, err_msg=str(dtype))
+
+
 @pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_typed_prng_key_leaves_pass_through():
     """A typed key leaf crashed every mode (``Cannot interpret 'key<fry>' as a data type``)."""
