@@ -426,17 +426,19 @@ def _assert_value(got, want) -> None:
 
 
 def test_whole_large_float16_leaves_are_summed_in_rows_exactly():
-    """A whole float16 leaf of 1 MiB and more is summed a few rows at a time
-    (backend._looped_sum, rows of a divisor of its size: 1024, and 64 for 1000x1000);
-    a size with no divisor of 64 or more keeps the fused reduce. NaN and inf carry."""
+    """A whole float16 leaf is summed a few rows at a time (backend._looped_sum, rows of
+    a divisor of its size: 1024, and 64 for 1000x1000; under 1 MiB chunks of whole rows,
+    backend._looped_rows, their sums added in blocks); a size with no divisor of 64 or
+    more, or too few rows, keeps the fused reduce. NaN and inf carry."""
     rng = np.random.default_rng(1)
     f = jax.jit(lambda t: jaxclip.global_norm(t))
-    for shape in ((1024, 1024), (1000, 1000), (3, 3, 300, 517)):
+    shapes = [(1024, 1024), (1000, 1000), (3, 3, 300, 517), (128, 512), (600, 64), (8, 512)]
+    for shape in shapes:
         x = rng.lognormal(0.0, 2.0, shape).astype(np.float16)
         want = np.sqrt(np.sum(np.square(x.astype(np.float64))))
         np.testing.assert_allclose(float(f(x)), want, rtol=1e-5)
         loops = "while(" in f.lower(x).compile().as_text()
-        assert loops == (shape != (3, 3, 300, 517)), shape
+        assert loops == (shape not in [(3, 3, 300, 517), (8, 512)]), shape
     x = np.ones((1024, 1024), np.float16)
     x[700, 5] = np.inf
     assert float(f(x)) == np.inf
