@@ -557,6 +557,25 @@ def test_float16_row_sums_over_trailing_axes_are_accurate(shape, axes, chunk):
     np.testing.assert_allclose(ref.f64(f(x)), want, rtol=2e-6)
 
 
+@pytest.mark.parametrize(
+    ("shape", "axes", "chunk"),
+    [((512, 128), 0, "f16[128,128]"), ((3, 65536), 0, None)],  # None: rows too long
+)
+def test_float16_sums_over_leading_axes_of_small_leaves_loop(shape, axes, chunk):
+    """A float16 leaf of 128 KiB is summed over its leading axis a chunk of 16384
+    elements at a time (backend._looped_sum), exact against float64; NaN and inf carry
+    to their columns only. Rows so long that one is a large part of the leaf keep the
+    fused reduce (a chunk's float32 upcast would be a large copy)."""
+    x = np.random.default_rng(4).lognormal(0.0, 2.0, shape).astype(np.float16)
+    x[1, 3], x[2, 5] = np.nan, np.inf
+    f = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=axes)[1])
+    text = f.lower(x).compile().as_text()
+    slices = set(re.findall(r"= (f16\[[\d,]+\])\S* dynamic-slice", text))
+    assert slices == ({chunk} if chunk else set()), slices
+    want = np.sqrt(np.sum(np.square(x.astype(np.float64)), axis=axes))
+    np.testing.assert_allclose(ref.f64(f(x)), want, rtol=2e-6)
+
+
 def test_float16_long_rows_keep_terms_below_half_an_ulp():
     """A row's terms are summed in blocks (backend._row_sums): in one reduction XLA adds a
     row in a few sequential lanes, and 32767 terms of 2**-24 next to a 1 were lost from

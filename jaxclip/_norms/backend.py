@@ -41,17 +41,15 @@ Elem = Callable[[Array, Any], Any]  # an array, or a tuple of them (several sums
 
 #: XLA's fused (sequential) reduce runs over blocks of this many elements.
 BLOCK = 256
-#: A fused sum over leading or middle axes of a leaf of at least this many bytes reads it
-#: a few rows at a time (:func:`_looped_sum`)...
-LOOP_MIN_BYTES = 1 << 20
-#: ... in chunks whose float32 upcast is at most this fraction of the leaf's bytes.
+#: A fused sum over leading or middle axes reads a few rows at a time (:func:`_looped_sum`),
+#: in chunks of at least :data:`LOOP_ROWS_ELEMS` elements, or this fraction of the leaf.
 LOOP_CHUNK_OF = 64
 #: The rare path shifts rows of at least this many elements in the library reduction.
 LIBRARY_ROW_MIN = 64
 #: ... and a whole leaf's loop reads rows of the largest divisor of its size up to this.
 LOOP_WHOLE_ROW = 1024
-#: A sum over the last axis of a float16 (or 8-bit) leaf reads chunks of whole rows of
-#: about this many elements (a float32 chunk of 64 KiB, cache-resident)...
+#: A looped sum reads chunks of about this many elements (a float32 chunk of 64 KiB,
+#: cache-resident); over the last axis of a float16 (or 8-bit) leaf, of whole rows...
 LOOP_ROWS_ELEMS = 1 << 14
 #: ... rows of at most this many elements (the library reduction sums a row at once).
 LOOP_ROWS_MAX = 1 << 16
@@ -234,19 +232,18 @@ def reduce(
 
 
 def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
-    """The sum of ``elem(flat)`` over axis ``at`` (dropped), not the last axis, of a large
-    leaf: one loop over chunks of a few rows, each upcast and summed by the library
-    reduction, the chunks' sums added into one partial sum per ``block`` chunks, the
-    partial sums then added by the library reduction (pairwise). On XLA:CPU the fused
-    reduce over a leading axis is about 10x slower than this; a chunk's upcast is at most
-    ``1 / LOOP_CHUNK_OF`` of the leaf's bytes. A whole leaf (``flat`` 1-D) is read as
-    rows of the largest divisor of its size up to :data:`LOOP_WHOLE_ROW` (the fused
-    reduce of a whole float16 leaf is about 3x slower), under 1 MiB a chunk of whole
-    rows at a time (:func:`_looped_rows`, 2.5-6x faster than the fused reduce there).
-    None where that does not apply (trailing axes: :func:`_looped_rows`; small leaves or
-    few rows, several sums, a leaf split across devices, whose dynamic slices XLA would
-    gather, bfloat16, whose upcast XLA:CPU would hoist out of the loop into a widened
-    copy of the leaf)."""
+    """The sum of ``elem(flat)`` over axis ``at`` (dropped), not the last axis: one loop
+    over chunks of a few rows, each upcast and summed by the library reduction, the
+    chunks' sums added into one partial sum per ``block`` chunks, the partial sums then
+    added by the library reduction (pairwise). On XLA:CPU the fused reduce over a leading
+    axis is about 10x slower than this on large leaves, 1.3-6x on leaves of 64-512 KiB; a
+    chunk holds about :data:`LOOP_ROWS_ELEMS` elements, or ``1 / LOOP_CHUNK_OF`` of a
+    larger leaf. A whole leaf (``flat`` 1-D) is read as rows of the largest divisor of its
+    size up to :data:`LOOP_WHOLE_ROW` (the fused reduce of a whole float16 leaf is 2.5-6x
+    slower). None where that does not apply (trailing axes: :func:`_looped_rows`; fewer
+    than two chunks, several sums, a leaf split across devices, whose dynamic slices XLA
+    would gather, bfloat16, whose upcast XLA:CPU would hoist out of the loop into a
+    widened copy of the leaf)."""
     if flat.dtype == jnp.bfloat16:  # XLA:CPU would widen the whole leaf out of the loop
         return None
     if flat.ndim == 1:  # a whole leaf: rows of a divisor of its size, then their sum
@@ -254,12 +251,9 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
         if width < LIBRARY_ROW_MIN:  # rows too short to read fast
             return None
         columns = _looped_sum(flat.reshape(-1, width), elem, 0, block)
-        if columns is not None:
-            return jnp.sum(columns)
-        rows = _looped_rows(flat.reshape(-1, width), elem)  # under 1 MiB: whole rows
-        return None if rows is None else _row_sums(rows.reshape(1, -1)).reshape(())
+        return None if columns is None else jnp.sum(columns)
     length, row = flat.shape[at], flat.size // flat.shape[at]
-    if at == flat.ndim - 1 or flat.nbytes < max(LOOP_MIN_BYTES, row * 4 * LOOP_CHUNK_OF):
+    if at == flat.ndim - 1:
         return None
     if not one_device(flat):
         return None
@@ -269,10 +263,11 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
     pre = math.prod(flat.shape[:at])
     flat = flat.reshape((pre, length, row // pre) if at else (length, row))
     at = min(at, 1)
-    step = 1 << max(0, (flat.nbytes // (row * 4 * LOOP_CHUNK_OF)).bit_length() - 1)
+    rows = max(flat.nbytes // (row * 4 * LOOP_CHUNK_OF), LOOP_ROWS_ELEMS // row)
+    step = 1 << max(0, rows.bit_length() - 1)
     chunks = length // step
-    if chunks < 2:
-        return None
+    if chunks < 2 or step * row > max(LOOP_ROWS_ELEMS, flat.size // LOOP_CHUNK_OF):
+        return None  # few rows, or rows so long that a chunk's upcast is a large copy
     spec = jax.ShapeDtypeStruct((*flat.shape[:at], step, *flat.shape[at + 1 :]), flat.dtype)
     out = jax.eval_shape(lambda c: elem(c, None), spec)
     if isinstance(out, tuple):
