@@ -559,13 +559,16 @@ def test_float16_row_sums_over_trailing_axes_are_accurate(shape, axes, chunk):
 
 @pytest.mark.parametrize(
     ("shape", "axes", "chunk"),
-    [((512, 128), 0, "f16[128,128]"), ((3, 65536), 0, None)],  # None: rows too long
+    [
+        ((512, 128), 0, "f16[128,128]"),
+        ((2048, 2048), 0, "f16[16,2048]"),  # 1/64 of the leaf a chunk, above 16384
+        ((3, 65536), 0, None),  # 256 rows or fewer: one fused block
+    ],
 )
 def test_float16_sums_over_leading_axes_of_small_leaves_loop(shape, axes, chunk):
-    """A float16 leaf of 128 KiB is summed over its leading axis a chunk of 16384
-    elements at a time (backend._looped_sum), exact against float64; NaN and inf carry
-    to their columns only. Rows so long that one is a large part of the leaf keep the
-    fused reduce (a chunk's float32 upcast would be a large copy)."""
+    """A float16 leaf is summed over its leading axis a chunk of rows at a time
+    (backend._looped_sum): about 16384 elements, or 1/64 of a larger leaf; exact against
+    float64, NaN and inf carried to their columns only."""
     x = np.random.default_rng(4).lognormal(0.0, 2.0, shape).astype(np.float16)
     x[1, 3], x[2, 5] = np.nan, np.inf
     f = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=axes)[1])

@@ -266,8 +266,8 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
     rows = max(flat.nbytes // (row * 4 * LOOP_CHUNK_OF), LOOP_ROWS_ELEMS // row)
     step = 1 << max(0, rows.bit_length() - 1)
     chunks = length // step
-    if chunks < 2 or step * row > max(LOOP_ROWS_ELEMS, flat.size // LOOP_CHUNK_OF):
-        return None  # few rows, or rows so long that a chunk's upcast is a large copy
+    if chunks < 2:
+        return None
     spec = jax.ShapeDtypeStruct((*flat.shape[:at], step, *flat.shape[at + 1 :]), flat.dtype)
     out = jax.eval_shape(lambda c: elem(c, None), spec)
     if isinstance(out, tuple):
