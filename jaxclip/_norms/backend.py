@@ -280,9 +280,7 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
         total = lax.dynamic_index_in_dim(sums, j, 0) + jnp.sum(elem(part, None), axis=at)
         return lax.dynamic_update_index_in_dim(sums, total, j, 0)
 
-    first = jnp.zeros((-(-chunks // block), *shape), out.dtype)
-    axes = tuple(sorted(varying(flat)))  # inside shard_map the carry varies as the sums do
-    first = lax.pcast(first, axes, to="varying") if axes else first
+    first = _carry((-(-chunks // block), *shape), out.dtype, flat)
     r = jnp.sum(lax.fori_loop(0, chunks, add, first), axis=0)
     if chunks * step < length:
         tail = lax.slice_in_dim(flat, chunks * step, length, axis=at)
@@ -295,9 +293,8 @@ def _looped_rows(rows: Array, elem: Elem) -> Array | None:
     over chunks of whole rows (about :data:`LOOP_ROWS_ELEMS` elements), each upcast and
     summed by the library reduction. XLA:CPU's fused reduce over rows of a float16 leaf
     runs 4-6x slower, and its library reduction of the whole leaf widens it into a
-    float32 copy.
-    None for bfloat16, rows longer than :data:`LOOP_ROWS_MAX`, fewer than two chunks, or
-    several sums."""
+    float32 copy. None for bfloat16, rows longer than :data:`LOOP_ROWS_MAX`, fewer than
+    two chunks, or several sums."""
     count, length = rows.shape
     # bfloat16: XLA:CPU would hoist its upcast out of the loop, a widened copy of the leaf.
     # (A leaf split across devices, whose dynamic slices XLA would gather, is never fused.)
@@ -315,12 +312,16 @@ def _looped_rows(rows: Array, elem: Elem) -> Array | None:
         part = lax.dynamic_slice_in_dim(rows, i * step, step, axis=0)
         return lax.dynamic_update_slice_in_dim(sums, _row_sums(elem(part, None)), i * step, 0)
 
-    first = jnp.zeros((count,), out.dtype)
-    axes = tuple(sorted(varying(rows)))  # inside shard_map the carry varies as the sums do
-    first = lax.pcast(first, axes, to="varying") if axes else first
-    r = lax.fori_loop(0, chunks, add, first)
+    r = lax.fori_loop(0, chunks, add, _carry((count,), out.dtype, rows))
     tail = _row_sums(elem(rows[chunks * step :], None))  # the rows left (maybe none)
     return lax.dynamic_update_slice_in_dim(r, tail, chunks * step, 0)
+
+
+def _carry(shape: Shape, dtype: Any, like: Array) -> Array:
+    """Zeros for a loop's sums over ``like``: inside ``shard_map`` they vary as it does."""
+    zeros = jnp.zeros(shape, dtype)
+    axes = tuple(sorted(varying(like)))
+    return lax.pcast(zeros, axes, to="varying") if axes else zeros
 
 
 def _row_sums(v: Array) -> Array:
