@@ -1,11 +1,13 @@
 """A/B in one process: the ``clip_by_norm`` transform per layout, base against this checkout.
 
-    python benchmarks/ab_slices.py --base b8b78f1      # about 2 minutes on 2 CPU cores
+    python benchmarks/ab_slices.py --base b8b78f1      # about 3 minutes on 2 CPU cores
+    python benchmarks/ab_slices.py --base HEAD~1 --full --only transformer
 
-For each (tree, dtype, axes) of the matrix's quick trees (``matrix.tree_shapes``), normal
-data: the compile time of ``update`` with its state (trace + lower + compile of a fresh
-function, the median of 3) and its run time (the median of ``--reps`` interleaved calls),
-for the base (``ab.load_base``) and this checkout, and their ratios new/base.
+For each (tree, dtype, axes) of the matrix's quick trees (``matrix.tree_shapes``; its
+full ones with ``--full``), normal data: the compile time of ``update`` with its state
+(trace + lower + compile of a fresh function, the median of 3) and its run time (the
+median of ``--reps`` interleaved calls), for the base (``ab.load_base``) and this
+checkout, and their ratios new/base.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ CELLS: list[tuple[str, str, Any]] = [
     ("conv", "float32", (0, 1, 2)),
     ("conv", "bfloat16", -1),
     ("large", "float16", 0),
+    ("transformer", "float32", 0),
+    ("transformer", "bfloat16", -1),
+    ("transformer", "float16", 0),
+    ("small1000", "float32", -1),
 ]
 
 
@@ -50,11 +56,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--base", default="HEAD", help="the git revision to compare against")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--full", action="store_true", help="the matrix's full trees")
+    ap.add_argument("--only", default="", help="the cells whose tree/dtype/axes holds this")
     args = ap.parse_args()
     libs = {"base": ab.load_base(args.base), "new": jaxclip}
     rng = np.random.default_rng(0)
     for tree_name, dtype, axes in CELLS:
-        shapes = matrix.tree_shapes(tree_name, True, False)
+        if args.only not in f"{tree_name}/{dtype}/axes={axes}":
+            continue
+        shapes = matrix.tree_shapes(tree_name, not args.full, False)
         tree = {k: jnp.asarray(rng.normal(size=s), matrix.DTYPES[dtype]) for k, s in shapes.items()}
         built = {k: _compiled(lib, tree, axes) for k, lib in libs.items()}
         runs: dict[str, list[float]] = {k: [] for k in built}

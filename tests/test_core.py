@@ -464,10 +464,10 @@ def test_backend_choices_follow_their_rules():
     assert backend.rare_native(f32, True, 2.0, (1,))  # a bucket: fused
     assert backend.rare_native(f32, False, 3.0, (1,))  # not a 2-norm: fused
     assert backend.rare_native(f32.astype(jnp.bfloat16), False, 2.0, (1,))  # 16-bit: fused
-    assert backend.native(f32, False, math.inf) and not backend.native(f32, False, 2.0)
+    assert backend.native(f32, math.inf) and not backend.native(f32, 2.0)
     bf16 = f32.astype(jnp.bfloat16)
-    assert not backend.native(bf16, False, 2.0) and backend.native(bf16, True, 2.0)
-    assert backend.native(bf16, False, 1.5) and backend.native(f32.astype(jnp.float16), False, 2.0)
+    assert not backend.native(bf16, 2.0) and not backend.native(bf16, 3.0)  # its convert fuses
+    assert backend.native(bf16, 1.5) and backend.native(f32.astype(jnp.float16), 2.0)
     row = backend.ROW_BYTES_ALONE
 
     def limit(batch: int, row_bytes: int) -> int:

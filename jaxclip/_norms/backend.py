@@ -119,9 +119,9 @@ def barrier(arrays: Sequence[Array], extra: Any = None) -> tuple[list[Array], li
     return out, [None] * len(arrays)
 
 
-def native(x: Array, bucketed: bool, p: float, rare: bool = False) -> bool:
-    """Whether ``x`` is reduced by XLA's own fused reduce (see :func:`reduce`): f16 and
-    8-bit leaves, 16-bit buckets, every ``p=inf`` max (XLA:CPU's library max of many
+def native(x: Array, p: float, rare: bool = False) -> bool:
+    """Whether ``x`` is reduced by XLA's own fused reduce (see :func:`reduce`): float16
+    and 8-bit data, bfloat16 at fractional ``p``, every ``p=inf`` max (XLA:CPU's library max of many
     elements can lose a NaN; the fused one is as fast), and everything on the rare path
     (XLA:CPU's library reduce would materialise the broadcast of the shift factors, or a
     widened copy where two reductions read one low-precision leaf); never a sharded leaf,
@@ -130,7 +130,7 @@ def native(x: Array, bucketed: bool, p: float, rare: bool = False) -> bool:
     # bf16 goes to the library reduce only where its convert fuses (integer powers).
     fractional = math.isfinite(p) and p != int(p)
     wanted = rare or p == math.inf
-    wanted |= small and (x.dtype != jnp.bfloat16 or bucketed or fractional)
+    wanted |= small and (x.dtype != jnp.bfloat16 or fractional)
     return wanted and one_device(x)
 
 
@@ -145,7 +145,7 @@ def rare_native(x: Array, bucketed: bool, p: float, axes: Axes) -> bool:
     trailing = dims == tuple(range(x.ndim - len(dims), x.ndim))
     rows = math.prod(x.shape[d] for d in dims) >= LIBRARY_ROW_MIN or len(dims) == x.ndim
     fused = p != 2.0 or x.dtype.itemsize < 4 or bucketed or not (trailing and rows)
-    return native(x, bucketed, rare=fused, p=p)
+    return native(x, p, rare=fused)
 
 
 def _fused_reduce(x: Array, elem: Elem, s: Any, dims: tuple[int, ...], op: str) -> Array:

@@ -67,7 +67,7 @@ def _shifted(j: _Joint, us: Sequence[Array], s: Array, ok: Any, shape: Shape) ->
     ``()``) whose plain sums are ``s``: one shift per example for all units."""
     axes = [tuple(range(len(shape), u.ndim)) if shape else None for u in us]
     fused = [
-        rare_native(u, b, j.p, a) if j.by_sum else native(u, b, j.p, rare=True)
+        rare_native(u, b, j.p, a) if j.by_sum else native(u, j.p, rare=True)
         for u, b, a in zip(us, j.bucketed, axes)
     ]
     if j.by_sum:
@@ -118,7 +118,7 @@ def joint_norm_body(
     shape = units[0].shape[:lead]
     axes = [tuple(range(lead, u.ndim)) if lead else None for u in units]
     if p == math.inf:
-        ms, halves = inf_norms(units, axes, [native(u, b, p) for u, b in zip(units, bucketed)])
+        ms, halves = inf_norms(units, axes, [native(u, p) for u in units])
         m = combine(ms, combines, acc, "max", shape)
         half = None if halves is None else combine(halves, combines, acc, "max", shape)
         return inf_result(m, half)
@@ -128,11 +128,9 @@ def joint_norm_body(
     # Per-example norms keep the two paths on every backend: one pass runs no faster on
     # their rows, with several times the temporaries.
     if by_sum and one_pass() and not lead and not exact:
-        parts = [
-            blue_sums(u, a, native(u, b, p, rare=True)) for u, a, b in zip(units, axes, bucketed)
-        ]
+        parts = [blue_sums(u, a, native(u, p, rare=True)) for u, a in zip(units, axes)]
         return blue_norm(*(combine(q, combines, acc, "sum", shape) for q in zip(*parts)))
-    sums = [power_sum(u, p, a, native(u, b, p)) for u, a, b in zip(units, axes, bucketed)]
+    sums = [power_sum(u, p, a, native(u, p)) for u, a in zip(units, axes)]
     s = combine(sums, combines, acc, "sum", shape)
     if exact:
         return in_range_norm(s, p)

@@ -29,7 +29,7 @@ from jaxclip._norms.devices import (
 )
 from jaxclip._norms.slices import unit_norms
 from jaxclip._norms.stacking import stacked
-from jaxclip._norms.units import Unit, build, per_leaf, places, plan
+from jaxclip._norms.units import Place, Unit, build, per_leaf, places, plan
 
 Array = jax.Array
 
@@ -81,10 +81,10 @@ def _unit_norms(
     static_split: bool = False,
     floor: Array | None = None,
     report: str = "exact",
-) -> tuple[Any, list[tuple[int, int]]]:
-    """The norms of the units, and per leaf ``(unit, row)`` (see ``units.places``). With a
+) -> tuple[Any, list[Place]]:
+    """The norms of the units, and per leaf its ``units.Place``. With a
     ``floor``, two lists of norms (see ``slices.unit_norms_body``)."""
-    where = places(len(leaves), _layout(leaves, axes, bucket, axis_name, paths))
+    where = places(leaves, axes, _layout(leaves, axes, bucket, axis_name, paths))
     norms = _layout_norms(leaves, floor, p, axes, axis_name, paths, static_split, bucket, report)
     return norms, where
 

@@ -77,15 +77,15 @@ def _single_pass(
 ) -> list[Norm]:
     """Norms with no rare path: ``p=inf`` (maxima), and Blue's one pass for ``p=2``."""
     if p == math.inf:
-        fused = [native(x, b, p) for x, b in zip(units, bucketed)]
+        fused = [native(x, p) for x in units]
         ms, halves = inf_norms(units, axes, fused)
         ms = [pmax(m, c) for m, c in zip(ms, combines)]
         if halves is None:
             return stacked(inf_result, ms)
         return stacked(inf_result, ms, [pmax(h, c) for h, c in zip(halves, combines)])
     parts = [
-        tuple(psum(t, c) for t in blue_sums(x, a, native(x, b, p, rare=True)))
-        for x, a, b, c in zip(units, axes, bucketed, combines)
+        tuple(psum(t, c) for t in blue_sums(x, a, native(x, p, rare=True)))
+        for x, a, c in zip(units, axes, combines)
     ]
     return stacked(blue_norm, *(list(q) for q in zip(*parts)))
 
@@ -120,7 +120,7 @@ def _shifted_by_max(
 ) -> tuple[Array, Array, Array]:
     """The rare parts ``(m, e, t)`` of a unit: its maxima first (all-zero slices need no
     more, and a max pass is the cheaper read), then the sums shifted by them."""
-    fused = native(x, b, p, rare=True)
+    fused = native(x, p, rare=True)
     m = pmax(max_abs(x, a, acc_dtype(x.dtype), fused, parts=True), c)
 
     def parts() -> tuple[Array, Array, Array]:
@@ -267,10 +267,7 @@ def unit_norms_body(
     if p == math.inf or (p == 2.0 and one_pass() and not exact):
         norms = _single_pass(units, p, axes, bucketed, combines)
         return norms if floor is None else (norms, norms)
-    plain = [
-        psum(power_sum(x, p, a, native(x, b, p)), c)
-        for x, a, b, c in zip(units, axes, bucketed, combines)
-    ]
+    plain = [psum(power_sum(x, p, a, native(x, p)), c) for x, a, c in zip(units, axes, combines)]
     if exact:
         norms = [in_range_norm(s, p) for s in plain]
         return norms if floor is None else (norms, norms)

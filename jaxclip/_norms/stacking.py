@@ -11,7 +11,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,9 @@ from jax import lax
 
 from jaxclip._norms.backend import opaque, pick
 from jaxclip._norms.devices import Shape, one_device, varying
+
+if TYPE_CHECKING:
+    from jaxclip._norms.units import Place
 
 Array = jax.Array
 Groups = list[list[int]]
@@ -77,32 +80,34 @@ def unstack(
     results: Sequence[Any],
     groups: Groups,
     shapes: Sequence[Shape],
-    where: Sequence[tuple[int, int]] | None = None,
+    where: Sequence[Place] | None = None,
     static: bool = False,
     raw: bool = False,
 ) -> list[Any]:
     """Per array, its part of its group's result (a pytree of stacked vectors), sliced at
     offsets XLA cannot see as constants (:func:`~jaxclip._norms.backend.opaque`;
-    constants with ``static``). With ``where`` (per leaf: its array, and its row of that
-    array or -1, see :func:`~jaxclip._norms.units.places`), per leaf instead: a row as a
-    scalar, at one opaque offset too. With ``raw``, a single value sliced out stays a
-    vector of one element (a consumer that broadcasts it needs no reshape)."""
-    where = where or [(i, -1) for i in range(len(shapes))]
+    constants with ``static``). With ``where`` (per leaf, its
+    :class:`~jaxclip._norms.units.Place`), per leaf instead: its rows of a bucket, at one
+    opaque offset too. With ``raw``, a single value sliced out stays a vector of one
+    element (a consumer that broadcasts it needs no reshape)."""
     group_of = {i: g for g, members in enumerate(groups) for i in members}
     at: dict[int, int] = {}  # each array's offset in its group's vectors
     for members in groups:
         sizes = [math.prod(shapes[i]) for i in members]
         at.update(zip(members, itertools.accumulate(sizes, initial=0)))
-    pieces = []  # per leaf: (group, offset, size, shape)
-    for u, r in where:
-        size = math.prod(shapes[u]) if r < 0 else 1
-        pieces.append((group_of[u], at[u] + max(r, 0), size, shapes[u] if r < 0 else ()))
+    pieces = []  # per leaf: (group, offset, size, shape, whether sliced)
+    for u, r, count, shape in where or [(i, -1, 0, ()) for i in range(len(shapes))]:
+        g = group_of[u]
+        if r < 0:
+            pieces.append((g, at[u], math.prod(shapes[u]), shapes[u], len(groups[g]) > 1))
+        else:
+            pieces.append((g, at[u] + r, count, shape, True))
     flat = [jax.tree.flatten(r) for r in results]
-    sliced = [i for i, (g, _, _, _) in enumerate(pieces) if len(groups[g]) > 1 or where[i][1] >= 0]
+    sliced = [i for i, piece in enumerate(pieces) if piece[4]]
     like = flat[pieces[sliced[0]][0]][0][0] if sliced and not static else None
     offsets = dict(zip(sliced, opaque([pieces[i][1] for i in sliced], like)))
     out = []
-    for i, (g, _, size, shape) in enumerate(pieces):
+    for i, (g, _, size, shape, _) in enumerate(pieces):
         vs, tree = flat[g]
         if i in offsets:  # a slice of a single-device vector: lax.reshape traces faster
             vs = [pick(v, offsets[i], size) for v in vs]
@@ -117,7 +122,7 @@ def unstack(
 def stacked(
     fn: Callable[..., Any],
     *lists: Sequence[Array],
-    where: Sequence[tuple[int, int]] | None = None,
+    where: Sequence[Place] | None = None,
     raw: bool = False,
 ) -> list[Any]:
     """``fn`` applied once to the concatenation of each list's arrays (raveled), the

@@ -3,10 +3,12 @@
 A unit is a leaf reduced as it is, or a bucket of small whole leaves of one dtype and
 mapped axes: concatenated flat for a joint (global) norm, or zero-padded into the rows
 of a matrix for per-leaf norms (one row norm per leaf), so that a thousand small leaves
-compile to a handful of reduction kernels. Per-example leaves are units of their own,
-each flattened to ``(batch, elements)``. Only leaves that live whole on one device are
-bucketed: concatenating sharded leaves would make XLA all-gather them. The layout is
-static: it depends on shapes, dtypes and mapped axes only.
+compile to a handful of reduction kernels. Small leaves reduced over their trailing or
+leading axes bucket too, by the length of their slices: each leaf's slices become rows
+of one matrix (a leading-axes leaf transposed), one row norm per slice. Per-example
+leaves are units of their own, each flattened to ``(batch, elements)``. Only leaves
+that live whole on one device are bucketed: concatenating sharded leaves would make XLA
+all-gather them. The layout is static: it depends on shapes, dtypes and mapped axes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from jaxclip._norms.backend import Axes, concatenate, opaque, pick
-from jaxclip._norms.devices import Combine, one_device
+from jaxclip._norms.devices import Combine, one_device, varying
 
 Array = jax.Array
 
@@ -33,11 +35,13 @@ BUCKET_MAX_LEAVES = 256
 
 ALONE = -1  # the width of a unit that is one leaf as it is
 FLAT = 0  # the width of a bucket concatenated flat
+SLICES = -2  # the width of a bucket whose rows are its leaves' slices
 
 
 class Unit(NamedTuple):
-    """A unit: its leaves (indices), its row width (:data:`ALONE`, :data:`FLAT` or the
-    padded row width of a bucket of rows) and the mapped axes it is combined over."""
+    """A unit: its leaves (indices), its row width (:data:`ALONE`, :data:`FLAT`,
+    :data:`SLICES` or the padded row width of a bucket of whole leaves) and the mapped
+    axes it is combined over."""
 
     members: tuple[int, ...]
     width: int
@@ -65,22 +69,45 @@ def plan(
     ``rows`` every leaf gets a unit or a row (a norm of its own); without, the units
     serve one joint norm, and empty leaves, which add nothing, are left out."""
     alone: list[Unit] = []
-    groups: dict[tuple[np.dtype, int, Combine], list[int]] = {}
+    groups: dict[tuple[Any, ...], list[int]] = {}
     for i, (x, a, c) in enumerate(zip(leaves, axes, combines)):
         if x.size == 0 and not rows:
             continue
+        whole = a is None or len(a) == x.ndim
         # Bucket rows are zero-padded: not for a dtype with no zero (float8_e8m0fnu).
-        if bucket and a is None and x.size and bucketable(x) and (not rows or _has_zero(x.dtype)):
+        if bucket and whole and x.size and bucketable(x) and (not rows or _has_zero(x.dtype)):
             width = 1 << (x.size - 1).bit_length() if rows else FLAT
             groups.setdefault((np.dtype(x.dtype), width, c), []).append(i)
+        elif bucket and rows and not whole and x.size and bucketable(x) and a and _outer(x, a):
+            # Slices of one length, whatever the leaves' shapes: one row each.
+            length = math.prod(x.shape[d] for d in a)
+            groups.setdefault((np.dtype(x.dtype), SLICES, c, length, varying(x)), []).append(i)
         else:
             alone.append(Unit((i,), ALONE, c))
     step = BUCKET_MAX_LEAVES
-    return alone + [
-        Unit(tuple(members[at : at + step]), width, c)
-        for (_, width, c), members in groups.items()
+    buckets = [
+        Unit(tuple(members[at : at + step]), key[1], key[2])
+        for key, members in groups.items()
         for at in range(0, len(members), step)
     ]
+    # A leaf's slices alone need no copy.
+    single = [u for u in buckets if u.width == SLICES and len(u.members) == 1]
+    alone += [u._replace(width=ALONE) for u in single]
+    return alone + [u for u in buckets if u not in single]
+
+
+def _outer(x: Array, a: tuple[int, ...]) -> bool:
+    """Whether ``a`` (sorted) are the trailing or the leading axes of ``x``."""
+    return a in (tuple(range(len(a))), tuple(range(x.ndim - len(a), x.ndim)))
+
+
+def _slices(x: Array, a: tuple[int, ...]) -> Array:
+    """``x``'s slices over ``a`` (its trailing or leading axes) as the rows of a matrix,
+    in the order of its kept axes."""
+    kept = math.prod(x.shape[d] for d in range(x.ndim) if d not in a)
+    if a[0] == 0:  # leading: a transposed copy, which the bucket's copy holds anyway
+        return lax.reshape(x, (x.size // kept, kept)).T
+    return lax.reshape(x, (kept, x.size // kept))
 
 
 def build(
@@ -102,6 +129,9 @@ def build(
         elif unit.width == FLAT:
             arrays.append(xs[0] if len(xs) == 1 else concatenate([x.ravel() for x in xs]))
             unit_axes.append(None)
+        elif unit.width == SLICES:
+            arrays.append(concatenate([_slices(leaves[i], axes[i] or ()) for i in unit.members]))
+            unit_axes.append((1,))
         else:
             arrays.append(concatenate([_padded_row(x, unit.width) for x in xs]))
             unit_axes.append((1,))
@@ -120,30 +150,44 @@ def _padded_row(x: Array, width: int) -> Array:
     )
 
 
-def places(n: int, units: Sequence[Unit]) -> list[tuple[int, int]]:
-    """Per leaf of ``n``, ``(unit, row)``: its unit, and its row there (-1: the whole
-    unit)."""
-    where = [(-1, -1)] * n
+class Place(NamedTuple):
+    """Where a leaf's norms are: its unit, and where that is a bucket, the first of its
+    ``rows`` rows there (``row`` -1: the whole unit), with ``shape`` the leaf's norms'
+    shape (keepdims)."""
+
+    unit: int
+    row: int
+    rows: int
+    shape: tuple[int, ...]
+
+
+def places(leaves: Sequence[Array], axes: Sequence[Axes], units: Sequence[Unit]) -> list[Place]:
+    """Per leaf, its :class:`Place`."""
+    where: list[Place] = [Place(-1, -1, 0, ())] * len(leaves)
     for u, unit in enumerate(units):
-        for r, i in enumerate(unit.members):
-            where[i] = (u, -1 if unit.width == ALONE else r)
+        row = 0
+        for i in unit.members:
+            x, a = leaves[i], axes[i]
+            shape = tuple(1 if a is None or d in a else n for d, n in enumerate(x.shape))
+            count = math.prod(shape) if unit.width == SLICES else 1
+            where[i] = Place(u, -1 if unit.width == ALONE else row, count, shape)
+            row += count
     return where
 
 
-def per_leaf(
-    leaves: Sequence[Array], per_unit: Sequence[Any], where: Sequence[tuple[int, int]]
-) -> list[Any]:
-    """Per leaf, its unit's tuple of arrays, or the row of a bucket (at an opaque index,
+def per_leaf(leaves: Sequence[Array], per_unit: Sequence[Any], where: Sequence[Place]) -> list[Any]:
+    """Per leaf, its unit's tuple of arrays, or its rows of a bucket (at an opaque index,
     see :func:`~jaxclip._norms.backend.opaque`), shaped to broadcast."""
-    bucketed = [i for i, (_, r) in enumerate(where) if r >= 0]
+    bucketed = [i for i, w in enumerate(where) if w.row >= 0]
     like = leaves[bucketed[0]] if bucketed else None
-    rows = dict(zip(bucketed, opaque([where[i][1] for i in bucketed], like)))
+    starts = dict(zip(bucketed, opaque([where[i].row for i in bucketed], like)))
     out = []
-    for i, (x, (u, r)) in enumerate(zip(leaves, where)):
-        v = per_unit[u]
-        if r >= 0:
-            kept = (1,) * x.ndim  # a single-device row: lax.reshape needs no sharding
-            picked = [lax.reshape(pick(f, rows[i], 1), kept) for f in v]
+    for i, w in enumerate(where):
+        v = per_unit[w.unit]
+        if w.row >= 0:  # single-device rows: lax.reshape needs no sharding
+            picked = [
+                lax.reshape(pick(lax.reshape(f, (f.size,)), starts[i], w.rows), w.shape) for f in v
+            ]
             v = type(v)(*picked) if hasattr(v, "_fields") else tuple(picked)
         out.append(v)
     return out
