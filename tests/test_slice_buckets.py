@@ -18,7 +18,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
-from jaxclip._norms import units
+from jaxclip._norms import slices, units
 
 F32_TINY = float(np.finfo(np.float32).tiny)
 
@@ -89,8 +89,9 @@ def test_plan_buckets_small_leaves_by_slice_length():
     at = next(i for i, u in enumerate(plan) if u.members == (0, 1, 3, 4))
     assert built[at].shape == (8 + 4 + 6 + 4, 16) and unit_axes[at] == (1,)
     np.testing.assert_array_equal(built[at][18:], leaves[4].T)  # its columns, as rows
-    # A bucket's rows are not leaves: the rare path treats it as a bucket.
-    assert bucketed == [u.width != units.ALONE for u in plan]
+    # A bucket of slices says how many rows each of its leaves has.
+    kinds = {u.members: b for u, b in zip(plan, bucketed)}
+    assert kinds[(0, 1, 3, 4)] == (8, 4, 6, 4) and kinds[(2,)] is True and kinds[(5,)] is False
     where = units.places(leaves, axes, plan)
     assert [(w.row, w.rows, w.shape) for w in (where[0], where[1], where[3], where[4])] == [
         (0, 8, (8, 1)),
@@ -230,3 +231,48 @@ def test_slices_that_vary_differently_inside_shard_map_are_not_bucketed_together
         np.testing.assert_allclose(
             ref.f64(norms[k]), np.squeeze(ref.norm([v], 2.0, (1,)), 1), rtol=1e-6
         )
+
+
+def test_a_zero_row_costs_its_bucket_no_second_read(monkeypatch):
+    # The transform's state needs each leaf's largest slice norm exact: a leaf with a
+    # zero row among ordinary ones has it from its plain sums, so its bucket is not read
+    # again; a leaf all of whose rows are zero or tiny is.
+    reads = []
+    original = slices._shifted_by_sum.__wrapped__
+
+    def counted(p, a, b, c):
+        branch = original(p, a, b, c)
+
+        def read(x, f):
+            jax.debug.callback(lambda: reads.append(x.shape))
+            return branch(x, f)
+
+        return read
+
+    monkeypatch.setattr(slices, "_shifted_by_sum", counted)
+    rng = np.random.default_rng(5)
+    tree = {f"w{i}": rng.normal(size=(3 + i, 24)).astype(np.float32) for i in range(4)}
+    tree["w2"][1] = 0.0
+    tx = jaxclip.clip_by_norm(1.0, axes=-1)
+    update = jax.jit(tx.update)
+    for case in ("zero row", "zero leaf", "tiny leaf"):
+        if case == "zero leaf":
+            tree["w1"] = np.zeros_like(tree["w1"])
+        if case == "tiny leaf":
+            tree["w1"] = np.full_like(tree["w1"], 1e-30)
+        reads.clear()
+        _, state = update(tree, tx.init(tree))
+        jax.effects_barrier()
+        assert isinstance(state, jaxclip.ClipByNormState)
+        assert reads == ([] if case == "zero row" else [(3 + 4 + 5 + 6, 24)]), case
+        for k, v in tree.items():
+            want = float(np.max(ref.norm([v], 2.0, (1,))))
+            np.testing.assert_allclose(_single(state.norms[k]), want, rtol=4 * 2.0**-23, err_msg=k)
+    # Under vmap, per example: the tiny leaf of the first, the ordinary one of the second.
+    other = dict(tree, w1=rng.normal(size=(4, 24)).astype(np.float32))
+    batch = {k: np.stack([tree[k], other[k]]) for k in tree}
+    _, states = jax.jit(jax.vmap(tx.update))(batch, jax.vmap(tx.init)(batch))
+    for i, t in enumerate((tree, other)):
+        for k, v in t.items():
+            want = float(np.max(ref.norm([v], 2.0, (1,))))
+            np.testing.assert_allclose(float(states.norms[k][i]), want, rtol=4 * 2.0**-23)

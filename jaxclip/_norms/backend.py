@@ -134,7 +134,7 @@ def native(x: Array, p: float, rare: bool = False) -> bool:
     return wanted and one_device(x)
 
 
-def rare_native(x: Array, bucketed: bool, p: float, axes: Axes) -> bool:
+def rare_native(x: Array, bucketed: Any, p: float, axes: Axes) -> bool:
     """:func:`native` for the rare path's second read of a 2-norm: the library reduction
     (faster to compile and to run) for a 32/64-bit leaf reduced whole or over trailing
     axes of at least :data:`LIBRARY_ROW_MIN` elements, each row shifted by its factor.
@@ -144,7 +144,7 @@ def rare_native(x: Array, bucketed: bool, p: float, axes: Axes) -> bool:
     dims = tuple(range(x.ndim)) if axes is None else tuple(sorted(axes))
     trailing = dims == tuple(range(x.ndim - len(dims), x.ndim))
     rows = math.prod(x.shape[d] for d in dims) >= LIBRARY_ROW_MIN or len(dims) == x.ndim
-    fused = p != 2.0 or x.dtype.itemsize < 4 or bucketed or not (trailing and rows)
+    fused = p != 2.0 or x.dtype.itemsize < 4 or bool(bucketed) or not (trailing and rows)
     return native(x, p, rare=fused)
 
 

@@ -49,14 +49,14 @@ from jaxclip._norms.devices import (
 from jaxclip._norms.passes import blue_norm, blue_sums, inf_norms, inf_result, max_abs, power_sum
 from jaxclip._norms.rare import max_shift, shift_factors, shifted_norm, shifted_sum, sum_shift
 from jaxclip._norms.rules import batchable, norm_tangent, tangent
-from jaxclip._norms.units import build, plan
+from jaxclip._norms.units import Bucketed, build, plan
 
 Array = jax.Array
 
 
 class _Joint(NamedTuple):
     p: float
-    bucketed: tuple[bool, ...]
+    bucketed: tuple[Bucketed, ...]
     combines: tuple[Combine, ...]
     acc: Any  # the result's dtype
     by_sum: bool  # a 2-norm in one accumulation dtype: the shift comes from the plain sum
@@ -109,7 +109,7 @@ def _rows_rare(j: _Joint, units: Sequence[Array], s: Array, ok: Array, count: Ar
 def joint_norm_body(
     units: tuple[Array, ...],
     p: float,
-    bucketed: tuple[bool, ...],
+    bucketed: tuple[Bucketed, ...],
     combines: tuple[Combine, ...],
     lead: int,
 ) -> Norm:
@@ -157,7 +157,7 @@ def joint_norm_body(
 def _joint_norm_impl(
     units: tuple[Array, ...],
     p: float,
-    bucketed: tuple[bool, ...],
+    bucketed: tuple[Bucketed, ...],
     combines: tuple[Combine, ...],
     lead: int,
 ) -> Norm:
@@ -168,7 +168,7 @@ def _joint_norm_impl(
 
 @functools.cache
 def _batchable_joint_norm(
-    p: float, bucketed: tuple[bool, ...], combines: tuple[Combine, ...]
+    p: float, bucketed: tuple[Bucketed, ...], combines: tuple[Combine, ...]
 ) -> Callable[[tuple[Array, ...], None], Norm]:
     """The global norm with a ``vmap`` rule: every example's norm with one unbatched
     cond (the rare path only where some example needs it)."""

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxclip._norms.arith import (
@@ -46,6 +47,7 @@ from jaxclip._norms.stacking import (
     stacked,
     unstack,
 )
+from jaxclip._norms.units import Bucketed
 
 Array = jax.Array
 
@@ -56,7 +58,7 @@ class _Sums(NamedTuple):
     units: tuple[Array, ...]
     p: float
     axes: tuple[Axes, ...]
-    bucketed: tuple[bool, ...]
+    bucketed: tuple[Bucketed, ...]
     combines: tuple[Combine, ...]
     batch: int  # examples leading each unit under the vmap rule (1: none)
     sums: list[Array]
@@ -69,11 +71,7 @@ def _low(s: Array) -> Array:
 
 
 def _single_pass(
-    units: tuple[Array, ...],
-    p: float,
-    axes: tuple[Axes, ...],
-    bucketed: tuple[bool, ...],
-    combines: tuple[Combine, ...],
+    units: tuple[Array, ...], p: float, axes: tuple[Axes, ...], combines: tuple[Combine, ...]
 ) -> list[Norm]:
     """Norms with no rare path: ``p=inf`` (maxima), and Blue's one pass for ``p=2``."""
     if p == math.inf:
@@ -99,7 +97,7 @@ def _zeros(x: Array, f: Array) -> Array:
 
 
 @functools.cache
-def _shifted_by_sum(p: float, a: Axes, b: bool, c: Combine) -> Callable[[Array, Array], Array]:
+def _shifted_by_sum(p: float, a: Axes, b: Bucketed, c: Combine) -> Callable[[Array, Array], Array]:
     """The rare branch of a 2-norm unit: one function per kind of unit, so that JAX
     traces it once for alike units."""
 
@@ -116,7 +114,7 @@ def _neutral(m: Array) -> tuple[Array, Array, Array]:
 
 
 def _shifted_by_max(
-    x: Array, p: float, a: Axes, b: bool, c: Combine, ok: Array
+    x: Array, p: float, a: Axes, b: Bucketed, c: Combine, ok: Array
 ) -> tuple[Array, Array, Array]:
     """The rare parts ``(m, e, t)`` of a unit: its maxima first (all-zero slices need no
     more, and a max pass is the cheaper read), then the sums shifted by them."""
@@ -182,12 +180,13 @@ def _settled(sums: _Sums, u: int, ok: Array, fine: Array, report: str) -> Array:
     """Whether unit ``u`` needs no second read: for the floored norms, its slices out of
     range are all small where the floor is above them (an overflow or NaN never is);
     for exact reported norms, it is all in range; for each leaf's largest, also no leaf
-    (a bucket's row, else the unit, one per example under the vmap rule) has all its
-    plain sums below 4 lo (above any small slice's norm, see ``arith.floor_bound``).
-    One reduction of a code per slice (2: floored needs it; 1: a large slice; else 0):
-    XLA:CPU compiles a kernel or two per distinct slice count for each reduction."""
-    s = sums.sums[u]
-    if report == "exact" or (report == "largest" and sums.bucketed[u]):
+    (a bucket's row, the rows of a leaf in a bucket of slices, else the unit, one per
+    example under the vmap rule) has all its plain sums below 4 lo (above any small
+    slice's norm, see ``arith.floor_bound``). One reduction of a code per slice (2:
+    floored needs it; 1: a large slice; else 0): XLA:CPU compiles a kernel or two per
+    distinct slice count for each reduction."""
+    s, kind = sums.sums[u], sums.bucketed[u]
+    if report == "exact" or (report == "largest" and kind is True):
         return every(ok)  # a bucket's row is a leaf: its largest norm is its only one
     if report != "largest":
         return every(ok | (_low(s) & fine))
@@ -195,6 +194,10 @@ def _settled(sums: _Sums, u: int, ok: Array, fine: Array, report: str) -> Array:
         return jnp.ones((), bool)
     floored_need = ~ok & ~(_low(s) & fine)
     code = jnp.where(floored_need, 2.0, jnp.where(s >= 4 * exact_lo(s.dtype), 1.0, 0.0))
+    if isinstance(kind, tuple):  # a bucket of slices: per leaf, its rows' largest code
+        rows = code.reshape(sums.batch, -1).T  # (slices, examples)
+        leaf = np.repeat(np.arange(len(kind)), kind)
+        return every(jax.ops.segment_max(rows, leaf, len(kind), indices_are_sorted=True) == 1)
     if sums.batch == 1:
         return jnp.max(code) == 1
     return every(jnp.max(code, tuple(range(1, s.ndim))) == 1)
@@ -243,7 +246,7 @@ def unit_norms_body(
     floor: Array | None,
     p: float,
     axes: tuple[Axes, ...],
-    bucketed: tuple[bool, ...],
+    bucketed: tuple[Bucketed, ...],
     combines: tuple[Combine, ...],
     static_split: bool = False,
     report: str = "exact",
@@ -265,7 +268,7 @@ def unit_norms_body(
     # float16, float8: no plain sum leaves the exact range, whatever the data.
     exact = all(always_exact(x.dtype, p) for x in units)
     if p == math.inf or (p == 2.0 and one_pass() and not exact):
-        norms = _single_pass(units, p, axes, bucketed, combines)
+        norms = _single_pass(units, p, axes, combines)
         return norms if floor is None else (norms, norms)
     plain = [psum(power_sum(x, p, a, native(x, p)), c) for x, a, c in zip(units, axes, combines)]
     if exact:
@@ -293,7 +296,7 @@ def _unit_norms_impl(
     floor: Array | None,
     p: float,
     axes: tuple[Axes, ...],
-    bucketed: tuple[bool, ...],
+    bucketed: tuple[Bucketed, ...],
     combines: tuple[Combine, ...],
     static_split: bool,
     report: str,
@@ -308,7 +311,7 @@ def _unit_norms_impl(
 def _batchable_unit_norms(
     p: float,
     axes: tuple[Axes, ...],
-    bucketed: tuple[bool, ...],
+    bucketed: tuple[Bucketed, ...],
     combines: tuple[Combine, ...],
     static_split: bool,
     report: str,

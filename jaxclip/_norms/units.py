@@ -37,6 +37,10 @@ ALONE = -1  # the width of a unit that is one leaf as it is
 FLAT = 0  # the width of a bucket concatenated flat
 SLICES = -2  # the width of a bucket whose rows are its leaves' slices
 
+#: Per unit, what its rows are: ``False`` (a leaf alone), ``True`` (a bucket, a leaf per
+#: row) or, for a bucket of slices, the number of rows of each of its leaves.
+Bucketed = bool | tuple[int, ...]
+
 
 class Unit(NamedTuple):
     """A unit: its leaves (indices), its row width (:data:`ALONE`, :data:`FLAT`,
@@ -112,12 +116,15 @@ def _slices(x: Array, a: tuple[int, ...]) -> Array:
 
 def build(
     leaves: Sequence[Array], axes: Sequence[Axes], units: Sequence[Unit], lead: int = 0
-) -> tuple[list[Array], list[Axes], list[bool]]:
-    """The arrays of ``units``, the axes each is reduced over, and which are buckets.
+) -> tuple[list[Array], list[Axes], list[Bucketed]]:
+    """The arrays of ``units``, the axes each is reduced over, and which are buckets
+    (:data:`Bucketed`).
     With ``lead`` (per-example norms) a leaf alone is flattened to ``(batch, elements)``
     where that is a free reshape, and reduced over its second axis: XLA:CPU reduces
     one axis faster than several."""
-    arrays, unit_axes, bucketed = [], [], []
+    arrays: list[Array] = []
+    unit_axes: list[Axes] = []
+    bucketed: list[Bucketed] = []
     for unit in units:
         xs = [leaves[i] for i in unit.members]
         if unit.width == ALONE:
@@ -130,8 +137,11 @@ def build(
             arrays.append(xs[0] if len(xs) == 1 else concatenate([x.ravel() for x in xs]))
             unit_axes.append(None)
         elif unit.width == SLICES:
-            arrays.append(concatenate([_slices(leaves[i], axes[i] or ()) for i in unit.members]))
+            parts = [_slices(leaves[i], axes[i] or ()) for i in unit.members]
+            arrays.append(concatenate(parts))
             unit_axes.append((1,))
+            bucketed.append(tuple(part.shape[0] for part in parts))
+            continue
         else:
             arrays.append(concatenate([_padded_row(x, unit.width) for x in xs]))
             unit_axes.append((1,))
