@@ -67,31 +67,33 @@ def test_plan_buckets_small_leaves_by_slice_length():
         jnp.ones((16,)),  # 2: all its axes: a whole leaf, a row of the rows bucket
         jnp.ones((2, 3, 16)),  # 3: trailing, 16
         jnp.ones((16, 4)),  # 4: leading, 16 (transposed into rows)
-        jnp.ones((units.BUCKET_MAX_BYTES // 64 + 1, 16)),  # 5: too large
+        jnp.ones((units.SLICE_BUCKET_MAX_BYTES // 64 + 1, 16)),  # 5: one row too large
         jnp.ones((5, 7)),  # 6: slices of 7: alone in its bucket, so a unit of its own
         jnp.ones((3, 16, 2)),  # 7: a middle axis
         jnp.ones((2, 16), jnp.bfloat16),  # 8: another dtype
         jnp.ones((2, 16), jnp.bfloat16),  # 9
+        jnp.ones((units.SLICE_BUCKET_MAX_BYTES // 64, 16)),  # 10: as large as may be
     ]
-    axes = [(1,), (1,), (0,), (2,), (0,), (1,), (1,), (1,), (1,), (1,)]
+    axes = [(1,), (1,), (0,), (2,), (0,), (1,), (1,), (1,), (1,), (1,), (1,)]
     plan = units.plan(leaves, axes, [()] * len(leaves), bucket=True, rows=True)
     kinds = {u.members: u.width for u in plan}
     assert kinds == {
         (5,): units.ALONE,
         (6,): units.ALONE,
         (7,): units.ALONE,
-        (0, 1, 3, 4): units.SLICES,
+        (0, 1, 3, 4, 10): units.SLICES,
         (2,): 16,
         (8, 9): units.SLICES,
     }, kinds
     leaves[4] = jnp.arange(64.0).reshape(16, 4)
     built, unit_axes, bucketed = units.build(leaves, axes, plan)
-    at = next(i for i, u in enumerate(plan) if u.members == (0, 1, 3, 4))
-    assert built[at].shape == (8 + 4 + 6 + 4, 16) and unit_axes[at] == (1,)
-    np.testing.assert_array_equal(built[at][18:], leaves[4].T)  # its columns, as rows
+    at = next(i for i, u in enumerate(plan) if u.members == (0, 1, 3, 4, 10))
+    assert built[at].shape == (8 + 4 + 6 + 4 + 256, 16) and unit_axes[at] == (1,)
+    np.testing.assert_array_equal(built[at][18:22], leaves[4].T)  # its columns, as rows
     # A bucket of slices says how many rows each of its leaves has.
     kinds = {u.members: b for u, b in zip(plan, bucketed)}
-    assert kinds[(0, 1, 3, 4)] == (8, 4, 6, 4) and kinds[(2,)] is True and kinds[(5,)] is False
+    assert kinds[(0, 1, 3, 4, 10)] == (8, 4, 6, 4, 256)
+    assert kinds[(2,)] is True and kinds[(5,)] is False
     where = units.places(leaves, axes, plan)
     assert [(w.row, w.rows, w.shape) for w in (where[0], where[1], where[3], where[4])] == [
         (0, 8, (8, 1)),
@@ -100,7 +102,7 @@ def test_plan_buckets_small_leaves_by_slice_length():
         (18, 4, (1, 4)),
     ]
     # Without bucketing (or for a joint norm) every leaf with axes stays alone.
-    assert all(u.width == units.ALONE for u in units.plan(leaves, axes, [()] * 10, False, True))
+    assert all(u.width == units.ALONE for u in units.plan(leaves, axes, [()] * 11, False, True))
 
 
 @pytest.mark.parametrize("p", [2.0, 3.0, math.inf])

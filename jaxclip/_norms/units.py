@@ -29,6 +29,9 @@ Array = jax.Array
 
 #: Leaves at most this many bytes may be copied into a bucket.
 BUCKET_MAX_BYTES = 64 * 1024
+#: Leaves reduced per slice, at most this many bytes: above it, on XLA:CPU, the copy into
+#: the bucket (transposed for leading axes) costs more run time than a leaf's own kernel.
+SLICE_BUCKET_MAX_BYTES = 16 * 1024
 #: A bucket holds at most this many leaves: XLA's layout assignment is superlinear in a
 #: concatenation's operands.
 BUCKET_MAX_LEAVES = 256
@@ -52,9 +55,10 @@ class Unit(NamedTuple):
     combine: Combine
 
 
-def bucketable(x: Array) -> bool:
-    """Whether ``x`` is small and whole on one device, so copying it costs no traffic."""
-    return x.size * x.dtype.itemsize <= BUCKET_MAX_BYTES and one_device(x)
+def bucketable(x: Array, limit: int = BUCKET_MAX_BYTES) -> bool:
+    """Whether ``x`` is small (at most ``limit`` bytes) and whole on one device, so
+    copying it costs little traffic."""
+    return x.size * x.dtype.itemsize <= limit and one_device(x)
 
 
 @functools.cache
@@ -78,11 +82,12 @@ def plan(
         if x.size == 0 and not rows:
             continue
         whole = a is None or len(a) == x.ndim
+        small = bucketable(x, SLICE_BUCKET_MAX_BYTES)
         # Bucket rows are zero-padded: not for a dtype with no zero (float8_e8m0fnu).
         if bucket and whole and x.size and bucketable(x) and (not rows or _has_zero(x.dtype)):
             width = 1 << (x.size - 1).bit_length() if rows else FLAT
             groups.setdefault((np.dtype(x.dtype), width, c), []).append(i)
-        elif bucket and rows and not whole and x.size and bucketable(x) and a and _outer(x, a):
+        elif bucket and rows and x.size and a and _outer(x, a) and not whole and small:
             # Slices of one length, whatever the leaves' shapes: one row each.
             length = math.prod(x.shape[d] for d in a)
             groups.setdefault((np.dtype(x.dtype), SLICES, c, length, varying(x)), []).append(i)
