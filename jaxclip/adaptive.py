@@ -159,12 +159,16 @@ def clip_tree_adaptive(
                 f"{p.shape} but its gradient has shape {g.shape}; pass update the params "
                 "the gradients were taken of (the same structure and shapes)."
             )
+    names = _axes.resolve(axis_name, sel, "adaptive_clip")
+    # Inside shard_map a leaf is a block: its units are those of the whole array, which
+    # its PartitionSpec (where given) says.
     leaf_axes = [
-        _checks.leaf_axes(axes_t, g, path) if axes_t is not None else _unit_axes(g.shape)
-        for g, path in zip(gs, sel.chosen_paths)
+        _checks.leaf_axes(axes_t, g, path)
+        if axes_t is not None
+        else _unit_axes(_norms.global_shape(g, _norms.leaf_axes(names, i)))
+        for i, (g, path) in enumerate(zip(gs, sel.chosen_paths))
     ]
     paths = tuple(sel.chosen_paths)
-    names = _axes.resolve(axis_name, sel, "adaptive_clip")
     return sel.rebuild(_agc(gs, ps, tuple(leaf_axes), clipping, eps, names, paths))
 
 

@@ -466,3 +466,27 @@ def test_float16_row_loops_inside_shard_map():
     assert "while(" in jax.jit(per).lower(x).compile().as_text()
     want = np.sqrt(np.sum(x64**2, axis=1))
     np.testing.assert_allclose(ref.f64(jax.jit(per)(x)), want, rtol=1e-6)
+
+
+def test_adaptive_clip_takes_its_units_from_the_whole_array():
+    # Tensor-parallel kernels whose split dimension is 1 on each device: a (16, 4) kernel
+    # split over its outputs is a (16, 1) block, which alone would look like one unit;
+    # its units are the whole kernel's columns. Likewise (4, 16) split over its inputs.
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    specs = {"col": P(None, "model"), "row": P("model", None), "bias": P()}
+    rng = np.random.default_rng(9)
+    shapes = {"col": (16, 4), "row": (4, 16), "bias": (16,)}
+    g = {k: (5 * rng.normal(size=s)).astype(np.float32) for k, s in shapes.items()}
+    p = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+
+    def body(g, p):
+        return jaxclip.clip_tree_adaptive(g, p, 0.05, axis_name=specs)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, specs), out_specs=specs))
+    put = lambda t: {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in t.items()}  # noqa: E731
+    got = f(put(g), put(p))
+    for k in shapes:
+        a = None if k == "bias" else (0,)
+        limit = 0.05 * np.maximum(ref.norm([p[k]], 2.0, a), 1e-3)
+        want = ref.f64(g[k]) * ref.scale(ref.norm([g[k]], 2.0, a), limit)
+        np.testing.assert_allclose(ref.f64(got[k]), want, rtol=1e-6, err_msg=k)

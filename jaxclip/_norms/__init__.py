@@ -50,6 +50,7 @@ from jaxclip._norms.devices import AxisName as AxisName
 from jaxclip._norms.devices import LeafAxes as LeafAxes
 from jaxclip._norms.devices import PerLeaf as PerLeaf
 from jaxclip._norms.devices import combine_axes as combine_axes
+from jaxclip._norms.devices import global_shape as global_shape
 from jaxclip._norms.devices import kept_axes as kept_axes
 from jaxclip._norms.devices import leaf_axes as leaf_axes
 from jaxclip._norms.devices import leaves_axes as leaves_axes

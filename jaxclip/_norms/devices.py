@@ -74,6 +74,23 @@ def _spec_names(spec: PartitionSpec, dims: Sequence[int] | None, ndim: int) -> t
     return tuple(names)
 
 
+def global_shape(x: Any, spec: LeafAxes) -> tuple[int, ...]:
+    """The shape of the array whose block ``x`` is, inside ``shard_map``: each dimension
+    times the sizes of the manual mesh axes that split it in ``spec`` (a
+    ``PartitionSpec``); ``x``'s own shape for any other ``spec``, and outside."""
+    if not isinstance(spec, PartitionSpec):
+        return tuple(x.shape)
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(mesh, "manual_axes", ()))
+    sizes = dict(getattr(mesh, "shape", {}))
+    out = []
+    for d, n in enumerate(x.shape):
+        for name in _spec_names(spec, (d,), x.ndim):
+            n *= sizes[name] if name in manual else 1
+        out.append(n)
+    return tuple(out)
+
+
 def varying(x: Any) -> frozenset[str]:
     """The mesh axes ``x`` varies across inside ``shard_map`` (its type records them)."""
     aval = jax.typeof(x)
