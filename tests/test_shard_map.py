@@ -490,3 +490,10 @@ def test_adaptive_clip_takes_its_units_from_the_whole_array():
         limit = 0.05 * np.maximum(ref.norm([p[k]], 2.0, a), 1e-3)
         want = ref.f64(g[k]) * ref.scale(ref.norm([g[k]], 2.0, a), limit)
         np.testing.assert_allclose(ref.f64(got[k]), want, rtol=1e-6, err_msg=k)
+    # Outside shard_map a leaf is the whole array, whatever its spec says: a (1, 16)
+    # kernel is one unit.
+    g1, p1 = g["row"][:1], p["row"][:1]
+    out = jaxclip.clip_tree_adaptive(g1, p1, 0.05, axis_name=specs["row"])
+    limit = 0.05 * max(ref.norm([p1], 2.0), 1e-3)
+    want = ref.f64(g1) * ref.scale(ref.norm([g1], 2.0), limit)
+    np.testing.assert_allclose(ref.f64(out), want, rtol=1e-6)
