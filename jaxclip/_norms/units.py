@@ -55,10 +55,11 @@ class Unit(NamedTuple):
     combine: Combine
 
 
-def bucketable(x: Array, limit: int = BUCKET_MAX_BYTES) -> bool:
-    """Whether ``x`` is small (at most ``limit`` bytes) and whole on one device, so
-    copying it costs little traffic."""
-    return x.size * x.dtype.itemsize <= limit and one_device(x)
+def bucketable(x: Array, limit: int | None = None) -> bool:
+    """Whether ``x`` is small (at most ``limit`` bytes, :data:`BUCKET_MAX_BYTES` by
+    default) and whole on one device, so copying it costs little traffic."""
+    top = BUCKET_MAX_BYTES if limit is None else limit
+    return x.size * x.dtype.itemsize <= top and one_device(x)
 
 
 @functools.cache
