@@ -121,11 +121,11 @@ def barrier(arrays: Sequence[Array], extra: Any = None) -> tuple[list[Array], li
 
 def native(x: Array, p: float, rare: bool = False) -> bool:
     """Whether ``x`` is reduced by XLA's own fused reduce (see :func:`reduce`): float16
-    and 8-bit data, bfloat16 at fractional ``p``, every ``p=inf`` max (XLA:CPU's library max of many
-    elements can lose a NaN; the fused one is as fast), and everything on the rare path
-    (XLA:CPU's library reduce would materialise the broadcast of the shift factors, or a
-    widened copy where two reductions read one low-precision leaf); never a sharded leaf,
-    whose variadic reduce XLA would partition with an all-gather."""
+    and 8-bit data, bfloat16 at fractional ``p``, every ``p=inf`` max (XLA:CPU's library
+    max of many elements can lose a NaN; the fused one is as fast), and everything on the
+    rare path (XLA:CPU's library reduce would materialise the broadcast of the shift
+    factors, or a widened copy where two reductions read one low-precision leaf); never a
+    sharded leaf, whose variadic reduce XLA would partition with an all-gather."""
     small = x.dtype.itemsize < 4 and not jnp.iscomplexobj(x)
     # bf16 goes to the library reduce only where its convert fuses (integer powers).
     fractional = math.isfinite(p) and p != int(p)
