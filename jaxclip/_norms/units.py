@@ -83,27 +83,28 @@ def plan(
         if x.size == 0 and not rows:
             continue
         whole = a is None or len(a) == x.ndim
-        small = bucketable(x, SLICE_BUCKET_MAX_BYTES)
         # Bucket rows are zero-padded: not for a dtype with no zero (float8_e8m0fnu).
         if bucket and whole and x.size and bucketable(x) and (not rows or _has_zero(x.dtype)):
             width = 1 << (x.size - 1).bit_length() if rows else FLAT
             groups.setdefault((np.dtype(x.dtype), width, c), []).append(i)
-        elif bucket and rows and x.size and a and _outer(x, a) and not whole and small:
+        elif (
+            bucket and rows and a and not whole and _outer(x, a)
+            and x.size and bucketable(x, SLICE_BUCKET_MAX_BYTES)
+        ):  # fmt: skip
             # Slices of one length, whatever the leaves' shapes: one row each.
             length = math.prod(x.shape[d] for d in a)
             groups.setdefault((np.dtype(x.dtype), SLICES, c, length, varying(x)), []).append(i)
         else:
             alone.append(Unit((i,), ALONE, c))
-    step = BUCKET_MAX_LEAVES
-    buckets = [
-        Unit(tuple(members[at : at + step]), key[1], key[2])
-        for key, members in groups.items()
-        for at in range(0, len(members), step)
-    ]
-    # A leaf's slices alone need no copy.
-    single = [u for u in buckets if u.width == SLICES and len(u.members) == 1]
-    alone += [u._replace(width=ALONE) for u in single]
-    return alone + [u for u in buckets if u not in single]
+    buckets = []
+    for (_, width, c, *_), members in groups.items():
+        for at in range(0, len(members), BUCKET_MAX_LEAVES):
+            part = tuple(members[at : at + BUCKET_MAX_LEAVES])
+            if width == SLICES and len(part) == 1:  # a leaf's slices alone need no copy
+                alone.append(Unit(part, ALONE, c))
+            else:
+                buckets.append(Unit(part, width, c))
+    return alone + buckets
 
 
 def _outer(x: Array, a: tuple[int, ...]) -> bool:
@@ -133,6 +134,7 @@ def build(
     bucketed: list[Bucketed] = []
     for unit in units:
         xs = [leaves[i] for i in unit.members]
+        kind: Bucketed = unit.width != ALONE
         if unit.width == ALONE:
             x = xs[0]
             if lead and one_device(x) and x.ndim != 2:
@@ -146,12 +148,11 @@ def build(
             parts = [_slices(leaves[i], axes[i] or ()) for i in unit.members]
             arrays.append(concatenate(parts))
             unit_axes.append((1,))
-            bucketed.append(tuple(part.shape[0] for part in parts))
-            continue
+            kind = tuple(part.shape[0] for part in parts)
         else:
             arrays.append(concatenate([_padded_row(x, unit.width) for x in xs]))
             unit_axes.append((1,))
-        bucketed.append(unit.width != ALONE)
+        bucketed.append(kind)
     return arrays, unit_axes, bucketed
 
 
