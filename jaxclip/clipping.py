@@ -296,7 +296,6 @@ def _clip_tree_by_norm(
             norms, [f"norm of the leaf at {_tree.shown(path)}" for path in sel.chosen_paths]
         )
     if report == "largest":  # the transform's state: one replicated value per leaf
-        norms = _norms.largest(xs, norms, tuple(leaf_axes), names, paths)
         return sel.rebuild(clipped), sel.per_leaf(norms, optax.MaskedNode())
     return sel.rebuild(clipped), sel.per_leaf(norms)
 

@@ -63,6 +63,5 @@ from jaxclip._norms.joint import global_norm_parts as global_norm_parts
 from jaxclip._norms.joint import per_example_norm_parts as per_example_norm_parts
 from jaxclip._norms.leafwise import clip_slices as clip_slices
 from jaxclip._norms.leafwise import clip_slices_relative as clip_slices_relative
-from jaxclip._norms.leafwise import largest as largest
 from jaxclip._norms.leafwise import slice_norms as slice_norms
 from jaxclip._norms.stacking import stacked as stacked

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxclip._norms.arith import Norm
-from jaxclip._norms.backend import Axes, max_keeping_nan, reduction_view
+from jaxclip._norms.backend import Axes, reduction_view
 from jaxclip._norms.clip import Factor, apply_factors, as_acc, clip_factor
 from jaxclip._norms.devices import (
     AxisName,
@@ -138,7 +138,8 @@ def clip_slices(
 
     Returns:
       ``(clipped, norms)``: the scaled leaves, and per leaf its norms with the ``axes``
-      dimensions removed (a scalar for a whole leaf).
+      dimensions removed (a scalar for a whole leaf); with ``report="largest"``, per leaf
+      its largest norm (NaN if one is), float32, the same on every device.
     """
     # The unit norms are split at constant offsets and stacked again right here, which
     # XLA folds away.
@@ -154,12 +155,19 @@ def clip_slices(
 
     fracs, exps = [n.frac for n in norms], [n.exp for n in norms]
     rfracs, rexps = [n.frac for n in reported], [n.exp for n in reported]
-    per = stacked(factors, fracs, exps, rfracs, rexps, where=where, raw=True)
+    # The transform's state: each leaf's largest reported norm, one segment maximum per
+    # group of stacked vectors (its output 5) instead of a reduction per leaf.
+    top = 5 if report == "largest" else None
+    per = stacked(factors, fracs, exps, rfracs, rexps, where=where, raw=True, top=top)
+    tops = [t for _, t in per] if top is not None else []
+    per = [r for r, _ in per] if top is not None else per
     leaf_norms = [Norm(*f[3:5]) for f in per]  # read only by the derivative rule
     cs = {n.frac.dtype: as_acc(clip_norm, n) for n in norms}
     out = apply_factors(
         leaves, [Factor(*f[:3]) for f in per], leaf_norms, [cs[n.frac.dtype] for n in leaf_norms]
     )
+    if top is not None:
+        return out, _replicated(leaves, tops, axes, axis_name, paths)
     values = []
     for x, a, (*_, value) in zip(leaves, axes, per):
         kept = () if a is None else tuple(d for i, d in enumerate(x.shape) if i not in a)
@@ -216,18 +224,18 @@ def clip_slices_relative(
     )
 
 
-def largest(
+def _replicated(
     leaves: Sequence[Array],
-    norms: Sequence[Array],
+    tops: Sequence[Array],
     axes: tuple[Axes, ...],
-    axis_name: AxisName = None,
-    paths: tuple[str, ...] | None = None,
+    axis_name: AxisName,
+    paths: tuple[str, ...] | None,
 ) -> list[Array]:
-    """Each leaf's largest slice norm (NaN if one is), float32, the same on every device:
-    a ``pmax`` over the mapped axes that split the leaf's kept dimensions."""
+    """Each leaf's largest slice norm, float32, the same on every device: a ``pmax`` over
+    the mapped axes that split the leaf's kept dimensions."""
     out = []
-    for i, (x, n, a) in enumerate(zip(leaves, norms, axes)):
+    for i, (x, top, a) in enumerate(zip(leaves, tops, axes)):
         spec, path = leaf_axes(axis_name, i), paths[i] if paths else ""
         kept = kept_axes(x, spec, a, combine_axes(x, spec, a, path))
-        out.append(pmax(max_keeping_nan(n).astype(jnp.float32), kept))
+        out.append(pmax(top.astype(jnp.float32), kept))
     return out

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxclip._norms.backend import opaque, pick
+from jaxclip._norms.backend import max_keeping_nan, opaque, pick
 from jaxclip._norms.devices import Shape, one_device, varying
 
 if TYPE_CHECKING:
@@ -76,6 +76,26 @@ def stack(groups: Groups, *lists: Sequence[Array]) -> list[list[Array]]:
     ]
 
 
+Piece = tuple[int, int, int, Shape, bool]  # group, offset, size, shape, whether sliced
+
+
+def pieces(groups: Groups, shapes: Sequence[Shape], where: Sequence[Place] | None) -> list[Piece]:
+    """Per array (per leaf with ``where``), where its part of its group's vectors is."""
+    group_of = {i: g for g, members in enumerate(groups) for i in members}
+    at: dict[int, int] = {}  # each array's offset in its group's vectors
+    for members in groups:
+        sizes = [math.prod(shapes[i]) for i in members]
+        at.update(zip(members, itertools.accumulate(sizes, initial=0)))
+    out: list[Piece] = []
+    for u, r, count, shape in where or [(i, -1, 0, ()) for i in range(len(shapes))]:
+        g = group_of[u]
+        if r < 0:
+            out.append((g, at[u], math.prod(shapes[u]), shapes[u], len(groups[g]) > 1))
+        else:
+            out.append((g, at[u] + r, count, shape, True))
+    return out
+
+
 def unstack(
     results: Sequence[Any],
     groups: Groups,
@@ -90,24 +110,13 @@ def unstack(
     :class:`~jaxclip._norms.units.Place`), per leaf instead: its rows of a bucket, at one
     opaque offset too. With ``raw``, a single value sliced out stays a vector of one
     element (a consumer that broadcasts it needs no reshape)."""
-    group_of = {i: g for g, members in enumerate(groups) for i in members}
-    at: dict[int, int] = {}  # each array's offset in its group's vectors
-    for members in groups:
-        sizes = [math.prod(shapes[i]) for i in members]
-        at.update(zip(members, itertools.accumulate(sizes, initial=0)))
-    pieces = []  # per leaf: (group, offset, size, shape, whether sliced)
-    for u, r, count, shape in where or [(i, -1, 0, ()) for i in range(len(shapes))]:
-        g = group_of[u]
-        if r < 0:
-            pieces.append((g, at[u], math.prod(shapes[u]), shapes[u], len(groups[g]) > 1))
-        else:
-            pieces.append((g, at[u] + r, count, shape, True))
+    parts = pieces(groups, shapes, where)
     flat = [jax.tree.flatten(r) for r in results]
-    sliced = [i for i, piece in enumerate(pieces) if piece[4]]
-    like = flat[pieces[sliced[0]][0]][0][0] if sliced and not static else None
-    offsets = dict(zip(sliced, opaque([pieces[i][1] for i in sliced], like)))
+    sliced = [i for i, piece in enumerate(parts) if piece[4]]
+    like = flat[parts[sliced[0]][0]][0][0] if sliced and not static else None
+    offsets = dict(zip(sliced, opaque([parts[i][1] for i in sliced], like)))
     out = []
-    for i, (g, _, size, shape, _) in enumerate(pieces):
+    for i, (g, _, size, shape, _) in enumerate(parts):
         vs, tree = flat[g]
         if i in offsets:  # a slice of a single-device vector: lax.reshape traces faster
             vs = [pick(v, offsets[i], size) for v in vs]
@@ -119,15 +128,56 @@ def unstack(
     return out
 
 
+def largest(
+    vectors: Sequence[Array], parts: Sequence[Piece], picked: Sequence[Array]
+) -> list[Array]:
+    """Per piece, the maximum of its part of its group's vector (non-negative values;
+    NaN where the part holds one, 0 where it is empty), given each piece's part as
+    ``picked``: a piece of one value is its maximum, and the other pieces of a group
+    take one segment maximum, not a reduction each (a kernel per distinct size). Over
+    the values' bits as integers, as :func:`~jaxclip._norms.backend.max_keeping_nan`."""
+    tops: dict[int, Array] = {}
+    many: dict[int, list[int]] = {}
+    for i, (g, _, size, _, _) in enumerate(parts):
+        if size == 1:
+            tops[i] = lax.reshape(picked[i], ())
+        elif size == vectors[g].size:  # the whole vector
+            tops[i] = max_keeping_nan(vectors[g])
+        else:
+            many.setdefault(g, []).append(i)
+    for g, members in many.items():
+        v = vectors[g]
+        ids = np.full(v.size, len(members), np.int32)  # elements of no such piece: dropped
+        for k, i in enumerate(members):
+            ids[parts[i][1] : parts[i][1] + parts[i][2]] = k
+        bits = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[v.dtype.itemsize]
+        seg = jax.ops.segment_max(
+            lax.bitcast_convert_type(jnp.abs(v), bits), ids, len(members), indices_are_sorted=True
+        )
+        seg = lax.bitcast_convert_type(jnp.maximum(seg, 0), v.dtype)
+        # One slice per leaf, at offsets XLA cannot fold: alike kernels compile once.
+        for i, at in zip(members, opaque(list(range(len(members))), seg)):
+            tops[i] = lax.reshape(pick(seg, at, 1), ())
+    return [tops[i] for i in range(len(parts))]
+
+
 def stacked(
     fn: Callable[..., Any],
     *lists: Sequence[Array],
     where: Sequence[Place] | None = None,
     raw: bool = False,
+    top: int | None = None,
 ) -> list[Any]:
     """``fn`` applied once to the concatenation of each list's arrays (raveled), the
     results split back to each array's shape (or, with ``where``, per leaf, see
-    :func:`unstack`)."""
+    :func:`unstack`). With ``top``, also per array (leaf) the maximum of its part of
+    ``fn``'s flattened output ``top`` (:func:`largest`): ``(result, maximum)``."""
     groups = groups_of(lists[0])
     results = [fn(*flat) for flat in stack(groups, *lists)]
-    return unstack(results, groups, [v.shape for v in lists[0]], where, raw=raw)
+    shapes = [v.shape for v in lists[0]]
+    out = unstack(results, groups, shapes, where, raw=raw)
+    if top is None:
+        return out
+    vectors = [jax.tree.leaves(r)[top] for r in results]
+    picked = [jax.tree.leaves(r)[top] for r in out]
+    return list(zip(out, largest(vectors, pieces(groups, shapes, where), picked)))
