@@ -47,6 +47,31 @@ def test_largest_per_piece_keeps_nan_and_inf_and_gives_0_for_no_elements():
     assert got[4:] == [np.inf, 2.5, 9.0]
 
 
+def test_largest_of_parts_reduced_alone_among_segments():
+    # Parts above SEGMENT_MAX_SIZE are reduced alone, beside a segment maximum of the
+    # others (which skips them); the largest value is at either end of a part, or NaN;
+    # the parts are listed out of the order of their offsets.
+    big = stacking.SEGMENT_MAX_SIZE + 1
+    rng = np.random.default_rng(3)
+    v = rng.random(3 * big + 14).astype(np.float32)
+    v[big - 1] = 7.0  # the last element of the first big part
+    v[big] = 9.0  # the first of the small part after it
+    v[big + 10 + 5] = np.nan  # inside the second big part
+    v[2 * big + 10] = 50.0  # the first of the third big part, above every small part's
+    v[3 * big + 9] = 8.0  # its last
+    v[3 * big + 12] = 6.0  # in the last small part, after the big ones
+    parts = [
+        (0, 3 * big + 10, 4, (4,), True),
+        (0, big, 10, (10,), True),
+        (0, 0, big, (big,), True),
+        (0, big + 10, big, (big,), True),
+        (0, 2 * big + 10, big, (big,), True),
+    ]
+    got = _largest([v], parts)
+    assert got[0] == 6.0 and got[1] == 9.0 and got[2] == 7.0
+    assert np.isnan(got[3]) and got[4] == 50.0
+
+
 def test_largest_of_one_piece_per_group_and_of_uncovered_elements():
     # Element 2 belongs to no piece (dropped); the second piece covers the last element.
     v = np.array([1.0, 2.0, 100.0, 3.0, 8.0], np.float32)
@@ -149,3 +174,13 @@ def test_float64_state_under_x64():
             assert state.norms[k].dtype == jnp.float32  # the state's dtype, as ever
             want = np.float32(np.max(ref.norm([v], 2.0, (1,))))
             assert np.asarray(state.norms[k]) == want, k
+
+
+@pytest.mark.parametrize(("rows", "scatters"), [((1024, 1025), 1), ((1025, 1026), 0), ((8, 9), 1)])
+def test_parts_of_more_than_segment_max_size_norms_are_reduced_alone(rows, scatters):
+    assert stacking.SEGMENT_MAX_SIZE == 1024
+    # Rows of 600 float32: each leaf a unit of its own, above the bucket limits.
+    tree = {f"w{i}": jnp.ones((r, 600)) for i, r in enumerate(rows)}
+    tx = jaxclip.clip_by_norm(1.0, axes=-1)
+    text = jax.jit(tx.update).lower(tree, tx.init(tree)).compile().as_text()
+    assert text.count(" scatter(") == scatters
