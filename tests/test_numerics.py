@@ -562,7 +562,11 @@ def test_float16_row_sums_over_trailing_axes_are_accurate(shape, axes, chunk):
     [
         ((512, 128), 0, "f16[128,128]"),
         ((2048, 2048), 0, "f16[16,2048]"),  # 1/64 of the leaf a chunk, above 16384
-        ((3, 65536), 0, None),  # 256 rows or fewer: one fused block
+        ((3, 65536), 0, None),  # fewer than 32 rows: one fused block
+        ((128, 128), 0, "f16[64,128]"),  # a small leaf of 32 rows or more: two chunks
+        ((32, 256), 0, "f16[16,256]"),
+        ((31, 256), 0, None),
+        ((4, 64, 32), 1, "f16[4,32,32]"),  # middle axes
     ],
 )
 def test_float16_sums_over_leading_axes_of_small_leaves_loop(shape, axes, chunk):

@@ -44,6 +44,9 @@ BLOCK = 256
 #: A fused sum over leading or middle axes reads a few rows at a time (:func:`_looped_sum`),
 #: in chunks of at least :data:`LOOP_ROWS_ELEMS` elements, or this fraction of the leaf.
 LOOP_CHUNK_OF = 64
+#: ... and, however small the leaf, in two chunks at least where they hold at least this
+#: many rows (fewer are faster in one fused reduce).
+LOOP_SPLIT_MIN = 32
 #: The rare path shifts rows of at least this many elements in the library reduction.
 LIBRARY_ROW_MIN = 64
 #: ... and a whole leaf's loop reads rows of the largest divisor of its size up to this.
@@ -199,10 +202,17 @@ def reduce(
         looped = _looped_rows(x.reshape(-1, length), elem)
         if looped is not None:
             return looped.reshape(kept)
+    at = dims[0] if dims else 0
+    adjacent = dims == tuple(range(at, at + n))
+    if op == "sum" and s is None and adjacent and at + n < x.ndim and length >= LOOP_SPLIT_MIN:
+        # Leading or middle axes: looped at any length (see _looped_sum's ``split``).
+        flat = x.reshape((*x.shape[:at], length, *x.shape[at + n :]))
+        looped = _looped_sum(flat, elem, at, block, split=True)
+        if looped is not None:
+            return shaped(looped, kept)
     if op == "max" or length <= block:  # a max is exact in any order
         return shaped(_fused_reduce(x, elem, s, dims, op), kept)
-    at = dims[0]
-    if dims != tuple(range(at, at + n)):
+    if not adjacent:
         # Not adjacent: the last run of adjacent axes, then the partial sums (in the
         # accumulation dtype, and smaller) over the other axes by the library reduction.
         last = next(d for i, d in enumerate(dims) if dims[i:] == tuple(range(d, dims[-1] + 1)))
@@ -231,7 +241,7 @@ def reduce(
     return shaped(r, kept)
 
 
-def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
+def _looped_sum(flat: Array, elem: Elem, at: int, block: int, split: bool = False) -> Array | None:
     """The sum of ``elem(flat)`` over axis ``at`` (dropped), not the last axis: one loop
     over chunks of a few rows, each upcast and summed by the library reduction, the
     chunks' sums added into one partial sum per ``block`` chunks, the partial sums then
@@ -240,10 +250,13 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
     chunk holds about :data:`LOOP_ROWS_ELEMS` elements, or ``1 / LOOP_CHUNK_OF`` of a
     larger leaf. A whole leaf (``flat`` 1-D) is read as rows of the largest divisor of its
     size up to :data:`LOOP_WHOLE_ROW` (the fused reduce of a whole float16 leaf is 2.5-6x
-    slower). None where that does not apply (trailing axes: :func:`_looped_rows`; fewer
-    than two chunks, several sums, a leaf split across devices, whose dynamic slices XLA
-    would gather, bfloat16, whose upcast XLA:CPU would hoist out of the loop into a
-    widened copy of the leaf)."""
+    slower). With ``split`` (leading or middle axes of :data:`LOOP_SPLIT_MIN` rows or
+    more) a smaller leaf takes two chunks: its fused reduce over the leading axis is
+    1.5-3x slower too (float16 (128, 128) to (256, 512)), and less accurate. None where
+    that does not apply (trailing axes: :func:`_looped_rows`; fewer than two chunks,
+    several sums, a leaf split across devices, whose dynamic slices XLA would gather,
+    bfloat16, whose upcast XLA:CPU would hoist out of the loop into a widened copy of
+    the leaf)."""
     if flat.dtype == jnp.bfloat16:  # XLA:CPU would widen the whole leaf out of the loop
         return None
     if flat.ndim == 1:  # a whole leaf: rows of a divisor of its size, then their sum
@@ -264,6 +277,8 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int) -> Array | None:
     flat = flat.reshape((pre, length, row // pre) if at else (length, row))
     at = min(at, 1)
     rows = max(flat.nbytes // (row * 4 * LOOP_CHUNK_OF), LOOP_ROWS_ELEMS // row)
+    if split:  # two chunks at least
+        rows = min(rows, length // 2)
     step = 1 << max(0, rows.bit_length() - 1)
     chunks = length // step
     if chunks < 2:
