@@ -17,8 +17,9 @@ import numpy as np
 from jax import lax
 
 from jaxclip._norms.arith import Norm, acc_dtype, as_norm, frexp, ldexp, pow2
+from jaxclip._norms.backend import quotient_first
 from jaxclip._norms.rules import over_norm
-from jaxclip._norms.stacking import stacked
+from jaxclip._norms.stacking import every, stacked
 
 Array = jax.Array
 
@@ -46,6 +47,23 @@ def clip_factor(norm: Norm | Array, clip_norm: Any) -> Factor:
         norm = as_norm(jnp.asarray(norm))
     acc = norm.frac.dtype
     c = jnp.maximum(jnp.asarray(clip_norm, acc), 0)
+    if not quotient_first(norm.frac):
+        return _exact_factor(norm, c)
+    # Where every norm is its value (exp 0) and every quotient kept or normal, the split
+    # below gives the same keep and f1, and f0 = c / n rounded once: the quotient itself.
+    keep = norm.frac <= c
+    f0 = c / jnp.where(keep, 1, norm.frac)  # finite where kept, as the split's
+    plain = (norm.exp == 0) & (keep | (f0 >= np.finfo(acc).tiny))  # False for NaN
+
+    def quotients() -> Factor:
+        return Factor(keep, f0, jnp.where(keep, 0, 1).astype(acc))
+
+    return lax.cond(every(plain), quotients, lambda: _exact_factor(norm, c))
+
+
+def _exact_factor(norm: Norm, c: Array) -> Factor:
+    """:func:`clip_factor` for a clip norm ``c >= 0`` of the norm's dtype."""
+    acc = norm.frac.dtype
     keep = norm.value <= c
     ce = frexp(lax.stop_gradient(c))[1]
     cf = ldexp(c, -ce)  # in [0.5, 1), differentiable in c
