@@ -296,6 +296,7 @@ def _clip_tree_by_norm(
             norms, [f"norm of the leaf at {_tree.shown(path)}" for path in sel.chosen_paths]
         )
     if report == "largest":  # the transform's state: one replicated value per leaf
+        norms = [n.astype(jnp.float32) for n in norms]
         return sel.rebuild(clipped), sel.per_leaf(norms, optax.MaskedNode())
     return sel.rebuild(clipped), sel.per_leaf(norms)
 

@@ -608,3 +608,21 @@ def test_float16_size_zero_leaves_with_axes():
         out, norms = f(x)
         assert out.shape == shape and out.dtype == jnp.float16
         np.testing.assert_array_equal(norms, np.zeros(shape[:-1], np.float32))
+
+
+@pytest.mark.parametrize(
+    ("shape", "axes"),
+    [((64, 0), 0), ((4, 4, 4, 0), (0, 1, 2)), ((0, 64, 3), 1), ((2, 64, 0), 1)],
+)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn])
+def test_empty_low_precision_leaves_over_32_rows_or_more(shape, axes, dtype):
+    """A leaf with an empty kept (or leading) dimension: empty norms and an empty clipped
+    leaf, not a division by its zero row size (the loop over chunks of rows)."""
+    g = {"w": jnp.zeros(shape, dtype)}
+    clipped, norms = jaxclip.clip_tree_by_norm(g, 1.0, axes=axes)
+    a = (axes,) if isinstance(axes, int) else axes
+    assert clipped["w"].shape == shape
+    assert norms["w"].shape == tuple(d for i, d in enumerate(shape) if i not in a)
+    tx = jaxclip.clip_by_norm(1.0, axes=axes)
+    _, state = jax.jit(tx.update)(g, tx.init(g))
+    assert float(state.norms["w"]) == 0.0

@@ -497,3 +497,24 @@ def test_adaptive_clip_takes_its_units_from_the_whole_array():
     limit = 0.05 * max(ref.norm([p1], 2.0), 1e-3)
     want = ref.f64(g1) * ref.scale(ref.norm([g1], 2.0), limit)
     np.testing.assert_allclose(ref.f64(out), want, rtol=1e-6)
+
+
+def test_jit_on_an_explicit_mesh_with_a_leaf_split_over_two_kept_axes():
+    # The per-slice norms of an (8, 64, 4) leaf over axis 1, split over x and y: they
+    # stay split as they are (raveling them is an error on an Explicit mesh).
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(8)
+    host = {"m": rng.normal(size=(8, 64, 4)).astype(np.float32), "b": np.ones((2, 5), np.float32)}
+    specs = {"m": P("x", None, "y"), "b": P()}
+    g = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
+    tx = jaxclip.clip_by_norm(1.0, axes=1)
+    clipped, state = jax.jit(tx.update)(g, tx.init(g))
+    np.testing.assert_allclose(
+        ref.f64(clipped["m"]), ref.clip_each(host["m"], 1.0, 2.0, (1,)), rtol=4 * 2.0**-23
+    )
+    want = np.max(ref.norm([host["m"]], 2.0, (1,)))
+    np.testing.assert_allclose(float(state.norms["m"]), want, rtol=4 * 2.0**-23)
+    _, norms = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=1))(g)
+    np.testing.assert_allclose(
+        ref.f64(norms["m"]), np.squeeze(ref.norm([host["m"]], 2.0, (1,)), 1), rtol=4 * 2.0**-23
+    )

@@ -184,3 +184,33 @@ def test_parts_of_more_than_segment_max_size_norms_are_reduced_alone(rows, scatt
     tx = jaxclip.clip_by_norm(1.0, axes=-1)
     text = jax.jit(tx.update).lower(tree, tx.init(tree)).compile().as_text()
     assert text.count(" scatter(") == scatters
+
+
+def test_float64_norms_beyond_float32_are_checked_before_the_states_float32():
+    # error_if_nonfinite reads the norms in the leaf's precision: a float64 norm of 2e200
+    # is finite (the state, float32, holds inf).
+    with jax.enable_x64(True):
+        g = {"w": jnp.full((4, 3), 1e200, jnp.float64)}
+        tx = jaxclip.clip_by_norm(1.0, axes=1, error_if_nonfinite=True)
+        clipped, state = jax.jit(tx.update)(g, tx.init(g))
+        np.testing.assert_allclose(np.linalg.norm(np.asarray(clipped["w"]), axis=1), 1.0)
+        assert state.norms["w"].dtype == jnp.float32 and np.isinf(np.asarray(state.norms["w"]))
+
+
+def test_the_state_carries_no_derivative():
+    # Leaves of one slice, of several, of more than SEGMENT_MAX_SIZE, and a whole leaf.
+    tree = {
+        "one": jnp.array([[3.0, 4.0]]),
+        "two": jnp.array([[3.0, 4.0], [1.0, 0.0]]),
+        "big": jnp.ones((1100, 2)),
+        "whole": jnp.array([3.0, 4.0]),
+    }
+    for axes in (-1, None):
+        tx = jaxclip.clip_by_norm(1.0, axes=axes)
+        state = tx.init(tree)
+        ones = jax.tree.map(jnp.ones_like, tree)
+        _, tangents = jax.jvp(
+            lambda u, tx=tx, state=state: tx.update(u, state)[1].norms, (tree,), (ones,)
+        )
+        for k, t in tangents.items():
+            assert float(t) == 0.0, (axes, k)

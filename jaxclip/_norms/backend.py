@@ -215,7 +215,8 @@ def reduce(
             return looped.reshape(kept)
     at = dims[0] if dims else 0
     adjacent = dims == tuple(range(at, at + n))
-    if op == "sum" and s is None and adjacent and at + n < x.ndim and length >= LOOP_SPLIT_MIN:
+    split = adjacent and at + n < x.ndim and length >= LOOP_SPLIT_MIN and x.size > 0
+    if op == "sum" and s is None and split:
         # Leading or middle axes: looped at any length (see _looped_sum's ``split``).
         flat = x.reshape((*x.shape[:at], length, *x.shape[at + n :]))
         looped = _looped_sum(flat, elem, at, block, split=True)

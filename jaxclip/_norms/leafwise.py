@@ -139,7 +139,7 @@ def clip_slices(
     Returns:
       ``(clipped, norms)``: the scaled leaves, and per leaf its norms with the ``axes``
       dimensions removed (a scalar for a whole leaf); with ``report="largest"``, per leaf
-      its largest norm (NaN if one is), float32, the same on every device.
+      its largest norm (NaN if one is), the same on every device.
     """
     # The unit norms are split at constant offsets and stacked again right here, which
     # XLA folds away.
@@ -231,11 +231,11 @@ def _replicated(
     axis_name: AxisName,
     paths: tuple[str, ...] | None,
 ) -> list[Array]:
-    """Each leaf's largest slice norm, float32, the same on every device: a ``pmax`` over
-    the mapped axes that split the leaf's kept dimensions."""
+    """Each leaf's largest slice norm, the same on every device: a ``pmax`` over the
+    mapped axes that split the leaf's kept dimensions."""
     out = []
     for i, (x, top, a) in enumerate(zip(leaves, tops, axes)):
         spec, path = leaf_axes(axis_name, i), paths[i] if paths else ""
         kept = kept_axes(x, spec, a, combine_axes(x, spec, a, path))
-        out.append(pmax(top.astype(jnp.float32), kept))
+        out.append(pmax(top, kept))
     return out

@@ -68,16 +68,22 @@ def groups_of(first: Sequence[Array]) -> Groups:
 
 
 def stack(groups: Groups, *lists: Sequence[Array]) -> list[list[Array]]:
-    """Per group, each list's arrays raveled and concatenated."""
+    """Per group, each list's arrays raveled and concatenated; an array alone in its
+    group as it is where it is sharded (on an Explicit mesh, raveling one split over
+    several axes is an error; the maths on it is elementwise)."""
     return [
         [
             jnp.concatenate([jnp.ravel(arrays[i]) for i in members])
             if len(members) > 1
-            else jnp.ravel(arrays[members[0]])
+            else _alone(arrays[members[0]])
             for arrays in lists
         ]
         for members in groups
     ]
+
+
+def _alone(v: Array) -> Array:
+    return jnp.ravel(v) if one_device(v) else v
 
 
 Piece = tuple[int, int, int, Shape, bool]  # group, offset, size, shape, whether sliced
@@ -144,8 +150,8 @@ def largest(
     tops: dict[int, Array] = {}
     many: dict[int, list[int]] = {}
     for i, (g, _, size, _, _) in enumerate(parts):
-        if size == 1:
-            tops[i] = lax.reshape(picked[i], ())
+        if size == 1:  # no derivative, as the maxima below (taken over bits)
+            tops[i] = lax.stop_gradient(lax.reshape(picked[i], ()))
         elif size == vectors[g].size or size > SEGMENT_MAX_SIZE:
             tops[i] = max_keeping_nan(picked[i])
         else:
