@@ -135,3 +135,18 @@ def test_agc_limits_per_unit_through_the_quotients():
     want = g * np.where(gn <= limit, 1.0, limit / gn)
     assert 0 < np.sum(gn > limit) < 6000  # some units clipped, some not
     np.testing.assert_allclose(np.asarray(out["w"], np.float64), want, rtol=4 * 2.0**-23)
+
+
+def test_ordinary_norms_take_the_quotients():
+    # The quotients' mark: a kept norm's f0 is c itself (the split's is c's mantissa
+    # scaled by another power of two). Norms at exactly c (kept) and at 2**126, whose
+    # quotient 2**-126 is float32's smallest normal, still take them.
+    n = _norms(backend.QUOTIENT_MIN, seed=5)
+    n[0], n[1] = 1.0, 2.0**126
+    keep, f0, f1 = (np.asarray(v) for v in _factor(n, np.zeros_like(n), np.float32(1.0)))
+    assert keep[0] and not keep[1] and f0[1] == TINY and f1[1] == 1.0
+    np.testing.assert_array_equal(f0[keep], 1.0)
+    # One norm the quotient cannot serve sends them all to the split.
+    n[2] = 3e38
+    keep, f0, _ = (np.asarray(v) for v in _factor(n, np.zeros_like(n), np.float32(1.0)))
+    assert not np.all(f0[keep] == 1.0)
