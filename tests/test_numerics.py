@@ -612,7 +612,7 @@ def test_float16_size_zero_leaves_with_axes():
 
 @pytest.mark.parametrize(
     ("shape", "axes"),
-    [((64, 0), 0), ((4, 4, 4, 0), (0, 1, 2)), ((0, 64, 3), 1), ((2, 64, 0), 1)],
+    [((64, 0), 0), ((300, 0), 0), ((4, 4, 4, 0), (0, 1, 2)), ((0, 64, 3), 1), ((2, 64, 0), 1)],
 )
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn])
 def test_empty_low_precision_leaves_over_32_rows_or_more(shape, axes, dtype):

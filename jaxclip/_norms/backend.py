@@ -215,11 +215,13 @@ def reduce(
             return looped.reshape(kept)
     at = dims[0] if dims else 0
     adjacent = dims == tuple(range(at, at + n))
-    split = adjacent and at + n < x.ndim and length >= LOOP_SPLIT_MIN and x.size > 0
-    if op == "sum" and s is None and split:
-        # Leading or middle axes: looped at any length (see _looped_sum's ``split``).
-        flat = x.reshape((*x.shape[:at], length, *x.shape[at + n :]))
-        looped = _looped_sum(flat, elem, at, block, split=True)
+    flat = x.reshape((*x.shape[:at], length, *x.shape[at + n :])) if adjacent and n else x
+    # A loop over chunks of rows: leading or middle axes from LOOP_SPLIT_MIN rows however
+    # small the leaf (see _looped_sum's ``split``), a whole leaf above one block.
+    leading = at + n < x.ndim
+    least = LOOP_SPLIT_MIN if leading else block + 1
+    if op == "sum" and s is None and adjacent and n and length >= least:
+        looped = _looped_sum(flat, elem, at, block, split=leading)
         if looped is not None:
             return shaped(looped, kept)
     if op == "max" or length <= block:  # a max is exact in any order
@@ -232,10 +234,6 @@ def reduce(
         others = tuple(d for d in dims if d < last)
         return jax.tree.map(lambda v: jnp.sum(v, axis=others, keepdims=True), r)
     # Adjacent (trailing, leading, or in the middle): one axis of ``length``, in chunks.
-    flat = x.reshape((*x.shape[:at], length, *x.shape[at + n :]))
-    looped = _looped_sum(flat, elem, at, block) if op == "sum" and s is None else None
-    if looped is not None:
-        return shaped(looped, kept)
     if s is not None:
         s = tuple(f.reshape((*f.shape[:at], 1, *f.shape[at + n :])) for f in s)
     chunks = length // block
@@ -270,6 +268,8 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int, split: bool = Fals
     bfloat16, whose upcast XLA:CPU would hoist out of the loop into a widened copy of
     the leaf)."""
     if flat.dtype == jnp.bfloat16:  # XLA:CPU would widen the whole leaf out of the loop
+        return None
+    if not flat.size:  # no rows to chunk (an empty kept dimension)
         return None
     if flat.ndim == 1:  # a whole leaf: rows of a divisor of its size, then their sum
         width = math.gcd(flat.size, LOOP_WHOLE_ROW)
