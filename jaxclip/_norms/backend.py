@@ -381,19 +381,26 @@ def variadic_sum(x: Array, elem: Elem, axes: Axes, fused: bool) -> tuple[Array, 
     )
 
 
+def magnitude_bits(x: Array) -> Array:
+    """``|x|``'s bits as signed integers of its width, which order as the magnitudes do,
+    NaN's above inf's: maxima over them keep a NaN (XLA:CPU's library float max of many
+    values can drop one). :func:`from_magnitude_bits` turns them back."""
+    bits = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
+    return lax.bitcast_convert_type(jnp.abs(x), bits)
+
+
+def from_magnitude_bits(b: Array, dtype: Any) -> Array:
+    """The magnitudes of :func:`magnitude_bits` ``b`` (0 for a negative ``b``, the empty
+    maximum's identity) in ``dtype``."""
+    return lax.bitcast_convert_type(jnp.maximum(b, 0), dtype)
+
+
 def max_keeping_nan(x: Array, axes: Axes = None) -> Array:
     """``max x`` of non-negative ``x`` over ``axes`` (all when None; 0 for no elements),
-    NaN where ``x`` holds one. Taken over the magnitudes' bits as integers, which order
-    as the values do, NaN's above inf's: XLA:CPU's library float max of many values can
-    drop a NaN, and a separate NaN test would be more kernels to compile."""
-    bits = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
-    top = jnp.max(
-        lax.bitcast_convert_type(jnp.abs(x), bits),
-        axis=axes,
-        initial=0,
-        keepdims=axes is not None,
-    )
-    return lax.bitcast_convert_type(top, x.dtype)
+    NaN where ``x`` holds one, over :func:`magnitude_bits` (a separate NaN test would be
+    more kernels to compile)."""
+    top = jnp.max(magnitude_bits(x), axis=axes, initial=0, keepdims=axes is not None)
+    return from_magnitude_bits(top, x.dtype)
 
 
 def concatenate(parts: Sequence[Array]) -> Array:

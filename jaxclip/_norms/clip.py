@@ -130,7 +130,7 @@ def _clipped_jvp(primals: tuple, tangents: tuple) -> tuple[list[Array], list[Arr
     for x, keep, f0, f1, frac, exp, c, dx, dfrac, dc in zip(
         *primals, tangents[0], tangents[4], tangents[6]
     ):
-        if not x.ndim:  # a single value as a vector of one (see stacking.unstack's raw)
+        if not x.ndim:  # a single value as a vector of one (see stacking._split's raw)
             keep, f0, f1, frac, exp, c, dfrac, dc = (
                 v.reshape(()) for v in (keep, f0, f1, frac, exp, c, dfrac, dc)
             )

@@ -18,7 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxclip._norms.backend import max_keeping_nan, opaque, pick
+from jaxclip._norms.backend import (
+    from_magnitude_bits,
+    magnitude_bits,
+    max_keeping_nan,
+    opaque,
+    pick,
+)
 from jaxclip._norms.devices import Shape, one_device, varying
 
 if TYPE_CHECKING:
@@ -107,20 +113,18 @@ def pieces(groups: Groups, shapes: Sequence[Shape], where: Sequence[Place] | Non
 
 
 def unstack(
-    results: Sequence[Any],
-    groups: Groups,
-    shapes: Sequence[Shape],
-    where: Sequence[Place] | None = None,
-    static: bool = False,
-    raw: bool = False,
+    results: Sequence[Any], groups: Groups, shapes: Sequence[Shape], static: bool
 ) -> list[Any]:
     """Per array, its part of its group's result (a pytree of stacked vectors), sliced at
     offsets XLA cannot see as constants (:func:`~jaxclip._norms.backend.opaque`;
-    constants with ``static``). With ``where`` (per leaf, its
-    :class:`~jaxclip._norms.units.Place`), per leaf instead: its rows of a bucket, at one
-    opaque offset too. With ``raw``, a single value sliced out stays a vector of one
-    element (a consumer that broadcasts it needs no reshape)."""
-    parts = pieces(groups, shapes, where)
+    constants with ``static``)."""
+    return _split(results, pieces(groups, shapes, None), static, False)
+
+
+def _split(results: Sequence[Any], parts: Sequence[Piece], static: bool, raw: bool) -> list[Any]:
+    """Per piece (:func:`pieces`), its part of its group's result, as :func:`unstack`; a
+    leaf's rows of a bucket at one opaque offset too. With ``raw``, a single value sliced
+    out stays a vector of one element (a consumer that broadcasts it needs no reshape)."""
     flat = [jax.tree.flatten(r) for r in results]
     sliced = [i for i, piece in enumerate(parts) if piece[4]]
     like = flat[parts[sliced[0]][0]][0][0] if sliced and not static else None
@@ -145,8 +149,8 @@ def largest(
     NaN where the part holds one, 0 where it is empty), given each piece's part as
     ``picked``: a piece of one value is its maximum, a large one (or a whole vector) is
     reduced alone, and the other pieces of a group take one segment maximum, not a
-    reduction each (a kernel per distinct size). Over the values' bits as integers, as
-    :func:`~jaxclip._norms.backend.max_keeping_nan`."""
+    reduction each (a kernel per distinct size). Over
+    :func:`~jaxclip._norms.backend.magnitude_bits`, as ``max_keeping_nan``."""
     tops: dict[int, Array] = {}
     many: dict[int, list[int]] = {}
     for i, (g, _, size, _, _) in enumerate(parts):
@@ -167,14 +171,12 @@ def largest(
                 runs[-1][1] = at + size
             else:
                 runs.append([at, at + size])
-        v = vectors[g]
-        bits = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[v.dtype.itemsize]
-        v = lax.bitcast_convert_type(jnp.abs(v), bits)
+        v = magnitude_bits(vectors[g])
         if runs != [[0, v.size]]:
             v = jnp.concatenate([lax.slice(v, (a,), (b,)) for a, b in runs])
         ids = np.repeat(np.arange(len(members), dtype=np.int32), [parts[i][2] for i in members])
         seg = jax.ops.segment_max(v, ids, len(members), indices_are_sorted=True)
-        seg = lax.bitcast_convert_type(jnp.maximum(seg, 0), vectors[g].dtype)
+        seg = from_magnitude_bits(seg, vectors[g].dtype)
         # One slice per leaf, at offsets XLA cannot fold: alike kernels compile once.
         for i, at in zip(members, opaque(list(range(len(members))), seg)):
             tops[i] = lax.reshape(pick(seg, at, 1), ())
@@ -189,15 +191,16 @@ def stacked(
     top: int | None = None,
 ) -> list[Any]:
     """``fn`` applied once to the concatenation of each list's arrays (raveled), the
-    results split back to each array's shape (or, with ``where``, per leaf, see
-    :func:`unstack`). With ``top``, also per array (leaf) the maximum of its part of
-    ``fn``'s flattened output ``top`` (:func:`largest`): ``(result, maximum)``."""
+    results split back to each array's shape (or, with ``where``, per leaf its
+    :class:`~jaxclip._norms.units.Place`: its rows of a bucket; see :func:`_split`).
+    With ``top``, also per array (leaf) the maximum of its part of ``fn``'s flattened
+    output ``top`` (:func:`largest`): ``(result, maximum)``."""
     groups = groups_of(lists[0])
     results = [fn(*flat) for flat in stack(groups, *lists)]
-    shapes = [v.shape for v in lists[0]]
-    out = unstack(results, groups, shapes, where, raw=raw)
+    parts = pieces(groups, [v.shape for v in lists[0]], where)
+    out = _split(results, parts, False, raw)
     if top is None:
         return out
     vectors = [jax.tree.leaves(r)[top] for r in results]
     picked = [jax.tree.leaves(r)[top] for r in out]
-    return list(zip(out, largest(vectors, pieces(groups, shapes, where), picked)))
+    return list(zip(out, largest(vectors, parts, picked)))
