@@ -31,6 +31,7 @@ CELLS: list[tuple[str, str, Any]] = [
     ("transformer", "float32", -1),
     ("transformer", "float32", None),
     ("conv", "float32", (0, 1, 2)),
+    ("conv", "float32", 0),
     ("conv", "bfloat16", -1),
     ("large", "float16", 0),
     ("transformer", "float32", 0),

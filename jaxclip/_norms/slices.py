@@ -38,11 +38,9 @@ from jaxclip._norms.rare import max_shift, shift_factors, shifted_norm, shifted_
 from jaxclip._norms.rules import batchable, norm_tangent, tangent
 from jaxclip._norms.stacking import (
     Groups,
-    all_of,
     any_of,
     every,
     groups_of,
-    some,
     stack,
     stacked,
     unstack,
@@ -68,6 +66,15 @@ class _Sums(NamedTuple):
 
 def _low(s: Array) -> Array:
     return s < exact_lo(s.dtype)
+
+
+def _range_code(s: Array) -> Array:
+    """Of stacked plain sums, a scalar: 2 where one overflowed or is NaN, else 1 where
+    one is too small to be exact, else 0. One maximum of one code per sum: a maximum of
+    flags per question would be two vectors written and read again (XLA:CPU's library
+    reduction does not fuse its producer)."""
+    code = jnp.where(s < jnp.inf, jnp.where(_low(s), 1.0, 0.0), 2.0).astype(jnp.float32)
+    return jnp.max(code, initial=0)
 
 
 def _single_pass(
@@ -203,9 +210,10 @@ def _settled(sums: _Sums, u: int, ok: Array, fine: Array, report: str) -> Array:
     return every(jnp.max(code, tuple(range(1, s.ndim))) == 1)
 
 
-def _floored(sums: _Sums, floor: Array, all_ok: Array, report: str) -> tuple[Any, Any]:
+def _floored(sums: _Sums, floor: Array, codes: list[Array], report: str) -> tuple[Any, Any]:
     """``(floored, reported)`` stacked norms for a clip norm of at least ``floor``, out
-    of one ``lax.cond`` whose rare branch reads each unit again at most once for both."""
+    of one ``lax.cond`` whose rare branch reads each unit again at most once for both;
+    ``codes``: per stacked vector, its :func:`_range_code`."""
     p, flat = sums.p, sums.flat
     dtypes = sorted({v.dtype for v in flat}, key=str)
     fine = tuple(floor.astype(d) >= floor_bound(d, p) for d in dtypes)
@@ -214,15 +222,10 @@ def _floored(sums: _Sums, floor: Array, all_ok: Array, report: str) -> tuple[Any
         return fine[dtypes.index(v.dtype)]
 
     low = [_low(v) for v in flat]
-    any_low = [some(lo) for lo in low]
-    over = any_of([some(~(v < jnp.inf)) for v in flat])  # overflowed, or NaN
-    need = any_of([over] + [a & ~fine_of(v) for a, v in zip(any_low, flat)])
-    if report == "exact":  # every slice out of range is read again
-        go = ~all_ok
-    elif report == "largest":  # a leaf's largest norm may be small only where a slice is
-        go = need | any_of(any_low)
-    else:
-        go = need
+    if report == "none":  # only an overflow, or a small slice below a low floor
+        go = any_of([(c == 2) | ((c > 0) & ~fine_of(v)) for c, v in zip(codes, flat)])
+    else:  # exact: every slice out of range; largest: a leaf's may be small only there
+        go = any_of([c > 0 for c in codes])
 
     def rare_pass() -> list[Norm]:
         oks = _in_range_flags(sums)
@@ -279,15 +282,16 @@ def unit_norms_body(
     groups = groups_of(plain)
     flat = [v for (v,) in stack(groups, plain)]
     sums = _Sums(units, p, axes, bucketed, combines, batch, plain, groups, flat)
-    all_ok = all_of([every(in_exact_range(v, v.dtype)) for v in flat])
+    codes = [_range_code(v) for v in flat]
     shapes = [v.shape for v in plain]
 
     def split(results: Any) -> list[Norm]:
         return unstack(results, groups, shapes, static=static_split)
 
     if floor is None:
-        return split(lax.cond(all_ok, lambda: _in_range(sums), lambda: _rare(sums)))
-    floored, reported = _floored(sums, floor, all_ok, report)
+        out = any_of([c > 0 for c in codes])
+        return split(lax.cond(out, lambda: _rare(sums), lambda: _in_range(sums)))
+    floored, reported = _floored(sums, floor, codes, report)
     return split(floored), split(reported)
 
 

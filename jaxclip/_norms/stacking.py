@@ -36,6 +36,11 @@ Groups = list[list[int]]
 #: :func:`largest` reduces a part of more elements than this alone: XLA:CPU's segment
 #: maximum (a scatter) costs about 3 ns per element, a reduction of its own about 5 us.
 SEGMENT_MAX_SIZE = 1024
+#: :func:`groups_of` stacks at most one vector of more elements than this per group:
+#: the stacked vector of several (the per-slice norms of short slices: a third of a conv
+#: kernel over its leading axis) would be beyond the cache on each of its passes, and a
+#: copy of each on the way in and out. Alone, a vector costs its own kernels' compile.
+STACK_MAX_SIZE = 1 << 16
 
 
 def all_of(flags: Sequence[Array]) -> Array:
@@ -65,11 +70,15 @@ def groups_of(first: Sequence[Array]) -> Groups:
     """Which arrays :func:`stacked` concatenates together: per dtype and per set of
     varying mesh axes (inside ``shard_map``, a concatenation varies across all of its
     parts'), and only where they are whole on each device (concatenating a sharded
-    vector would make XLA all-gather it)."""
+    vector would make XLA all-gather it), with at most one vector of more than
+    :data:`STACK_MAX_SIZE` elements each."""
     groups: dict[tuple[np.dtype, frozenset[str], int], list[int]] = {}
+    large: set[tuple[np.dtype, frozenset[str]]] = set()  # kinds that hold a large vector
     for i, v in enumerate(first):
-        alone = -1 if v.size == 1 or one_device(v) else i
-        groups.setdefault((np.dtype(v.dtype), varying(v), alone), []).append(i)
+        kind = (np.dtype(v.dtype), varying(v))
+        alone = v.size > 1 and (not one_device(v) or (v.size > STACK_MAX_SIZE and kind in large))
+        large |= {kind} if v.size > STACK_MAX_SIZE else set()
+        groups.setdefault((*kind, i if alone else -1), []).append(i)
     return list(groups.values())
 
 
