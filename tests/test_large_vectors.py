@@ -24,6 +24,9 @@ def test_a_group_holds_at_most_one_vector_above_the_size_limit():
     # The first large float32 vector joins the small ones (BIG itself is not large);
     # the later ones are alone; bfloat16 vectors group apart, one large each.
     assert stacking.groups_of(vs) == [[0, 1, 2, 4, 6], [3], [5], [7], [8]]
+    # A vector of BIG elements is not large: the large one after it still joins.
+    vs = [jnp.zeros((n,), jnp.float32) for n in (BIG, BIG + 1, BIG + 1)]
+    assert stacking.groups_of(vs) == [[0, 1], [2]]
 
 
 def test_range_code_per_stacked_vector():
@@ -83,3 +86,21 @@ def test_no_concatenation_of_two_large_vectors_in_the_compiled_program():
             sizes.append(int(np.prod([int(d) for d in shape.split(",") if d])))
     assert sizes  # the small leaf's and the first kernel's vectors are still stacked
     assert max(sizes) < 2 * (3 * 160 * 160)
+
+
+def test_the_rare_pass_runs_only_where_a_code_asks_for_it():
+    # (code, floor above small slices' norms) -> runs, for report "none" (clipping
+    # alone) and for "exact" / "largest" (reported norms), one stacked vector each.
+    cases = {
+        (0, True): (False, False),
+        (0, False): (False, False),
+        (1, True): (False, True),  # small slices the floor keeps anyway
+        (1, False): (True, True),
+        (2, True): (True, True),
+        (2, False): (True, True),
+    }
+    for (code, fine), (none, reported) in cases.items():
+        c, f = [jnp.float32(0), jnp.float32(code)], [jnp.bool_(True), jnp.bool_(fine)]
+        assert bool(slices._goes_rare(c, f, "none")) == none, (code, fine)
+        for report in ("exact", "largest"):
+            assert bool(slices._goes_rare(c, f, report)) == reported, (code, fine, report)

@@ -518,3 +518,15 @@ def test_jit_on_an_explicit_mesh_with_a_leaf_split_over_two_kept_axes():
     np.testing.assert_allclose(
         ref.f64(norms["m"]), np.squeeze(ref.norm([host["m"]], 2.0, (1,)), 1), rtol=4 * 2.0**-23
     )
+
+
+def test_vectors_split_over_an_explicit_mesh_are_never_stacked():
+    # Concatenating a split vector would make XLA gather it (or, raveled, be an error).
+    from jaxclip._norms import stacking
+
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    two = jax.device_put(jnp.ones(2), NamedSharding(mesh, P("x")))
+    four = jax.device_put(jnp.ones(4), NamedSharding(mesh, P("y")))
+    whole = jax.device_put(jnp.ones(6), NamedSharding(mesh, P()))
+    vs = [jnp.zeros(3), two, jnp.zeros(5), four, whole]
+    assert stacking.groups_of(vs) == [[0, 2, 4], [1], [3]]

@@ -210,6 +210,15 @@ def _settled(sums: _Sums, u: int, ok: Array, fine: Array, report: str) -> Array:
     return every(jnp.max(code, tuple(range(1, s.ndim))) == 1)
 
 
+def _goes_rare(codes: list[Array], fine: list[Array], report: str) -> Array:
+    """Whether the rare pass runs, from each stacked vector's :func:`_range_code` and
+    whether the floor is above its small slices' norms (``fine``)."""
+    if report == "none":  # only an overflow, or a small slice below a low floor
+        return any_of([(c == 2) | ((c > 0) & ~f) for c, f in zip(codes, fine)])
+    # exact: every slice out of range; largest: a leaf's may be small only there
+    return any_of([c > 0 for c in codes])
+
+
 def _floored(sums: _Sums, floor: Array, codes: list[Array], report: str) -> tuple[Any, Any]:
     """``(floored, reported)`` stacked norms for a clip norm of at least ``floor``, out
     of one ``lax.cond`` whose rare branch reads each unit again at most once for both;
@@ -222,10 +231,7 @@ def _floored(sums: _Sums, floor: Array, codes: list[Array], report: str) -> tupl
         return fine[dtypes.index(v.dtype)]
 
     low = [_low(v) for v in flat]
-    if report == "none":  # only an overflow, or a small slice below a low floor
-        go = any_of([(c == 2) | ((c > 0) & ~fine_of(v)) for c, v in zip(codes, flat)])
-    else:  # exact: every slice out of range; largest: a leaf's may be small only there
-        go = any_of([c > 0 for c in codes])
+    go = _goes_rare(codes, [fine_of(v) for v in flat], report)
 
     def rare_pass() -> list[Norm]:
         oks = _in_range_flags(sums)
