@@ -408,12 +408,8 @@ def _history_step(
         norm = parts.value.astype(jnp.float32)
         out = _norms.clip_joint(xs, parts, threshold)
     else:
-        whole = (None,) * len(xs)
         kw = {"axis_name": axis_name, "paths": paths}
-        leaf_norms = _norms.slice_norms(xs, 2.0, whole, **kw) if xs else []
-        values = [n.value.reshape(()).astype(jnp.float32) for n in leaf_norms]
-        norm = jnp.stack(values) if values else jnp.zeros((0,), jnp.float32)
-        out = _norms.clip_each(xs, leaf_norms, [threshold[k] for k in range(len(xs))])
+        out, norm = _norms.clip_leaves(xs, threshold, jnp.float32, **kw)
     finite = jnp.isfinite(norm)
     slot = jax.nn.one_hot(count % history_length, history_length, dtype=bool)
     history = jnp.where(finite[..., None] & slot, norm[..., None], state.history)

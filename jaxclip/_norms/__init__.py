@@ -61,6 +61,7 @@ from jaxclip._norms.devices import vma_tracked as vma_tracked
 from jaxclip._norms.joint import global_norm as global_norm
 from jaxclip._norms.joint import global_norm_parts as global_norm_parts
 from jaxclip._norms.joint import per_example_norm_parts as per_example_norm_parts
+from jaxclip._norms.leafwise import clip_leaves as clip_leaves
 from jaxclip._norms.leafwise import clip_slices as clip_slices
 from jaxclip._norms.leafwise import clip_slices_relative as clip_slices_relative
 from jaxclip._norms.leafwise import slice_norms as slice_norms

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxclip._norms.arith import Norm
@@ -222,6 +223,59 @@ def clip_slices_relative(
     return apply_factors(
         leaves, [Factor(*f[:3]) for f in per], [Norm(*f[3:5]) for f in per], [f[5] for f in per]
     )
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "axis_name", "paths"))
+def clip_leaves(
+    leaves: Sequence[Array],
+    limits: Array,
+    dtype: Any,
+    *,
+    axis_name: AxisName = None,
+    paths: tuple[str, ...] | None = None,
+) -> tuple[list[Array], Array]:
+    """Each whole leaf scaled to 2-norm at most its own limit, ``limits[i]``.
+
+    As :func:`clip_slices` with a limit per leaf: the limits are laid out as the units'
+    norms (a gather per unit), so the factors of all units are one set of kernels.
+
+    Returns:
+      ``(clipped, norms)``: the scaled leaves, and their exact norms as one vector of
+      ``dtype``.
+    """
+    if not leaves:
+        return [], jnp.zeros((0,), dtype)
+    whole = (None,) * len(leaves)
+    floor = jnp.min(limits)
+    (norms, reported), where = _unit_norms(
+        leaves, 2.0, whole, True, axis_name, paths, True, floor, "exact"
+    )
+    rows: list[list[tuple[int, int]]] = [[] for _ in norms]
+    for i, w in enumerate(where):
+        rows[w.unit].append((w.row, i))
+    lims = [
+        limits[np.array([i for _, i in sorted(r)])].reshape(n.frac.shape).astype(n.frac.dtype)
+        for r, n in zip(rows, norms)
+    ]
+
+    def factors(*v: Array) -> tuple[Array, ...]:
+        frac, exp, rfrac, rexp, lim = v
+        return (*clip_factor(Norm(frac, exp), lim), frac, exp, lim, Norm(rfrac, rexp).value)
+
+    per = stacked(
+        factors,
+        [n.frac for n in norms],
+        [n.exp for n in norms],
+        [n.frac for n in reported],
+        [n.exp for n in reported],
+        lims,
+        where=where,
+        raw=True,
+    )
+    out = apply_factors(
+        leaves, [Factor(*f[:3]) for f in per], [Norm(*f[3:5]) for f in per], [f[5] for f in per]
+    )
+    return out, jnp.concatenate([jnp.ravel(f[6]).astype(dtype) for f in per])
 
 
 def _replicated(
