@@ -156,23 +156,36 @@ def _weights(scale: _norms.Factor, clip_norm: Any, batch: int) -> tuple[Array, A
     return lifted, 1 / lift
 
 
-def _contract(w: Array, x: Array) -> Array:
-    """``sum_b w[b] * x[b]`` as one matrix-vector product, accumulated and returned in the
-    accumulation dtype of ``x`` (float32 for 16-bit leaves) with no widened copy of ``x``.
+def _contract(w: Array, xs: Sequence[Array]) -> list[Array]:
+    """``sum_b w[b] * x[b]`` for each ``x`` of ``xs``, as one matrix-vector product each,
+    accumulated and returned in the accumulation dtype of ``x`` (float32 for 16-bit
+    leaves) with no widened copy of ``x``; the bfloat16 ones share one split of ``w``.
     ``HIGHEST`` keeps float32 dots in float32 on GPU/TPU (no TF32/bf16 passes).
     """
-    acc = _norms.acc_dtype(x.dtype)
-    if not _norms.one_device(x):
-        # A sharded batch axis (Explicit mesh axes): a contraction over it needs an output
-        # sharding; a weighted sum over it (fused, no copy) is reduced across devices.
-        kept = (x.shape[0],) + (1,) * (x.ndim - 1)
-        return jnp.sum(w.astype(acc).reshape(kept) * x.astype(acc), axis=0)
-    if jnp.iscomplexobj(x):
-        return lax.dot_general(w.astype(x.dtype), x, _BATCH, precision=lax.Precision.HIGHEST)
-    if x.dtype == jnp.bfloat16:
+    out: list[Any] = [None] * len(xs)
+    split = []
+    for i, x in enumerate(xs):
+        acc = _norms.acc_dtype(x.dtype)
+        if not _norms.one_device(x):
+            # A sharded batch axis (Explicit mesh axes): a contraction over it needs an
+            # output sharding; a weighted sum over it (fused, no copy) is reduced across
+            # devices.
+            kept = (x.shape[0],) + (1,) * (x.ndim - 1)
+            out[i] = jnp.sum(w.astype(acc).reshape(kept) * x.astype(acc), axis=0)
+        elif jnp.iscomplexobj(x):
+            high = lax.Precision.HIGHEST
+            out[i] = lax.dot_general(w.astype(x.dtype), x, _BATCH, precision=high)
+        elif x.dtype == jnp.bfloat16:
+            split.append(i)
+        else:
+            out[i] = _dot(w, x)
+    if split:
         # Chosen per platform when lowering, like the reductions in _norms.
-        return lax.platform_dependent(w, x, cpu=_contract_split, default=_contract_wide)
-    return _dot(w, x)
+        parts = [xs[i] for i in split]
+        done = lax.platform_dependent(w, *parts, cpu=_contract_split, default=_contract_wide)
+        for i, total in zip(split, done):
+            out[i] = total
+    return out
 
 
 _BATCH = (((0,), (0,)), ((), ()))
@@ -185,36 +198,42 @@ def _dot(w: Array, x: Array) -> Array:
     return lax.dot_general(w.astype(acc), x, _BATCH, precision=high, preferred_element_type=acc)
 
 
-def _contract_wide(w: Array, x: Array) -> Array:
-    """The bfloat16 contraction off CPU: in float32, ``x`` converted inside the dot, which
-    XLA:GPU fuses. On an H100 the per-example bfloat16 MLP gradients of
+def _contract_wide(w: Array, *xs: Array) -> list[Array]:
+    """The bfloat16 contractions off CPU: in float32, each ``x`` converted inside the dot,
+    which XLA:GPU fuses. On an H100 the per-example bfloat16 MLP gradients of
     ``benchmarks/bench_per_example.py`` (batch 64) then need 0.2 MB of temporaries, against
     3.2 MB for :func:`_contract_split` (its three float32 outputs)."""
-    return _dot(w, x.astype(_norms.acc_dtype(x.dtype)))
+    return [_dot(w, x.astype(_norms.acc_dtype(x.dtype))) for x in xs]
 
 
-def _contract_split(w: Array, x: Array) -> Array:
-    """The bfloat16 contraction for XLA:CPU, which widens a bfloat16 operand of a
+def _contract_split(w: Array, *xs: Array) -> list[Array]:
+    """The bfloat16 contractions for XLA:CPU, which widens a bfloat16 operand of a
     mixed-precision dot into a float32 copy; a bfloat16 dot accumulating in float32 does
-    not, so ``w`` is split into three bfloat16 parts whose sum is ``w`` to 2**-26 (each
-    part's product with ``x`` is exact in float32), summed after the dot. Factors below
-    2**-100 (norms over ~1e30 times ``clip_norm``) are split as ``w * 2**24``, the sum
-    divided back: XLA:CPU flushes the float32 subnormals that their parts would be. Every
-    term ``w[b] * x[b]`` is at most ``clip_norm`` in norm, so the scaled ones stay finite."""
+    not, so ``w`` is split (once for all ``xs``) into three bfloat16 parts whose sum is
+    ``w`` to 2**-26 (each part's product with ``x`` is exact in float32), summed after the
+    dot. Factors below 2**-100 (norms over ~1e30 times ``clip_norm``) are split as ``w *
+    2**24``, the sum divided back: XLA:CPU flushes the float32 subnormals that their parts
+    would be. Every term ``w[b] * x[b]`` is at most ``clip_norm`` in norm, so the scaled
+    ones stay finite."""
     w = w.astype(jnp.float32)
     tiny = jnp.min(jnp.where(w > 0, w, 1)) < 2.0**-100
     scale = jnp.where(tiny, jnp.float32(2.0**24), jnp.float32(1))
     w = w * scale
-    hi = w.astype(x.dtype)
+    hi = w.astype(jnp.bfloat16)
     r = w - hi.astype(jnp.float32)
-    mid = r.astype(x.dtype)
-    lo = (r - mid.astype(jnp.float32)).astype(x.dtype)
+    mid = r.astype(jnp.bfloat16)
+    lo = (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
     parts = jnp.stack([hi, mid, lo])
     dims = (((1,), (0,)), ((), ()))
-    out = lax.dot_general(
-        parts, x, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
-    )
-    return jnp.sum(out, 0) * (1 / scale)  # exact: a power of two, one division
+    high = lax.Precision.HIGHEST
+    return [
+        jnp.sum(
+            lax.dot_general(parts, x, dims, precision=high, preferred_element_type=jnp.float32),
+            0,
+        )
+        * (1 / scale)  # exact: a power of two, one division
+        for x in xs
+    ]
 
 
 def clip_examples(
@@ -356,12 +375,17 @@ def _arrays(
         outs = _norms.apply_factors(xs, [s for s, _ in shaped], [n for _, n in shaped], limits)
         return outs, list(rest), norms, fractions
     keys = [None] * len(xs) if key is None else list(jax.random.split(key, len(xs)))
+    # Per group of ``members``, its weights and its leaves' contractions, once for all.
+    unlifts: list[Any] = [None] * len(xs)
+    contracted: list[Any] = [None] * len(xs)
+    for group in filter(None, members):
+        w, unlift = _weights(scales[group[0]], limits[group[0]], xs[group[0]].shape[0])
+        w = w if weights is None else jnp.where(weights, w, 0)
+        for i, total in zip(group, _contract(w, [xs[i] for i in group])):
+            contracted[i], unlifts[i] = total, unlift
     outs = []
-    for i, (x, s, k, path, clip_norm) in enumerate(zip(xs, scales, keys, paths, limits)):
-        w, unlift = _weights(s, clip_norm, x.shape[0])
-        if weights is not None:
-            w = jnp.where(weights, w, 0)
-        total = _contract(w, x) * unlift  # exact (a power of two); fuses with what follows
+    for i, (x, k, path) in enumerate(zip(xs, keys, paths)):
+        total = contracted[i] * unlifts[i]  # exact (a power of two); fuses with what follows
         if k is not None:  # one independent draw per leaf (and per step: a fresh key)
             k, share = _device_noise(k, x, _norms.leaf_axes(axis_name, i), path)
             total = total + normal(k, total, noise_std * share)
@@ -369,7 +393,7 @@ def _arrays(
     rest_outs = []
     for x in rest:
         ones = jnp.ones((x.shape[0],), _norms.acc_dtype(x.dtype))
-        total = _contract(ones if weights is None else jnp.where(weights, ones, 0), x)
+        (total,) = _contract(ones if weights is None else jnp.where(weights, ones, 0), [x])
         rest_outs.append(total if keep_acc else _finish(total, x.dtype, reduce, batch))
     return outs, rest_outs, norms, fractions
 

@@ -150,17 +150,21 @@ def test_bf16_contraction_both_strategies_match_float64(which):
     w = rng.uniform(0.01, 1.0, size=(64,)).astype(np.float32)
     x = np.abs(rng.normal(size=(64, 300))) * 10.0 ** rng.integers(-20, 20, size=(64, 1))
     x = np.asarray(jnp.asarray(x, jnp.bfloat16))
-    out = jax.jit(getattr(per_example, which))(w, x)
-    assert out.dtype == jnp.float32 and out.shape == (300,)
+    x2 = np.asarray(jnp.asarray(rng.normal(size=(64, 3, 5)), jnp.bfloat16))
+    # Several leaves share one split of the weights.
+    out, out2 = jax.jit(getattr(per_example, which))(w, x, x2)
+    assert out.dtype == jnp.float32 and out.shape == (300,) and out2.shape == (3, 5)
     want = w.astype(np.float64) @ x.astype(np.float64)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=5e-7)
+    want2 = np.tensordot(w.astype(np.float64), x2.astype(np.float64), 1)
+    np.testing.assert_allclose(np.asarray(out2, np.float64), want2, rtol=5e-7, atol=1e-6)
     # Factors down to float32's normal range (norms ~1e37 times clip_norm): the split's
     # parts would be subnormal, which XLA:CPU flushes (80% off in a cancelling sum).
     x = np.asarray(jnp.asarray([[3e30, 1e30], [-2.9e30, 1e30]], jnp.bfloat16))
     x64 = x.astype(np.float64)
     for c in [1e-3, 1e-6]:
         w = (c / np.linalg.norm(x64, axis=1)).astype(np.float32)
-        out = jax.jit(getattr(per_example, which))(w, x)
+        (out,) = jax.jit(getattr(per_example, which))(w, x)
         want = w.astype(np.float64) @ x64
         bound = np.abs(w.astype(np.float64)) @ np.abs(x64)  # the cancelling sum's scale
         np.testing.assert_array_less(np.abs(np.asarray(out, np.float64) - want), 2e-7 * bound)
@@ -495,3 +499,17 @@ def test_vmapped_global_norm_with_padding_examples():
     g = _flagged_batch(np.float32, mags)
     got = jax.jit(jax.vmap(jaxclip.global_norm))(g)
     np.testing.assert_allclose(got, _norms64(g), rtol=2e-6)
+
+
+def test_bfloat16_leaves_of_one_group_share_one_split_of_the_weights():
+    # XLA:CPU's contraction splits the weights into three bfloat16 parts: once per group
+    # of leaves, not once per leaf (each copy was some 80 lines of StableHLO to trace,
+    # lower and deduplicate).
+    g = {f"p{i:02d}": jnp.ones((8, 16 + i), jnp.bfloat16) for i in range(20)}
+    tx = jaxclip.clip_per_example(1.0)
+    state = tx.init(jax.tree.map(lambda x: x[0], g))
+    text = jax.jit(tx.update).lower(g, state).as_text()
+    lines = text.splitlines()
+    assert sum("dot_general" in line for line in lines) == 20
+    splits = [ln for ln in lines if "stablehlo.concatenate" in ln and "tensor<3x8xbf16>" in ln]
+    assert len(splits) == (1 if jax.default_backend() == "cpu" else 0)
