@@ -427,11 +427,16 @@ def _quantile(history: Array, count: Array, q: Any) -> Array:
 
 def _std_threshold(history: Array, count: Array, deviations: Any) -> Array:
     # torch.std (Bessel's n - 1); one recorded norm: the reference's std is NaN and
-    # its step NaN; here no clipping until there are two.
+    # its step NaN; here no clipping until there are two. The norms are scaled by a power
+    # of two near the largest (exactly), so that squares neither overflow nor underflow
+    # at any magnitude, and the mean's rounding is taken back out (the corrected
+    # two-pass sum of squares), so that close norms do not lose the std to cancellation.
     n = jnp.minimum(count, history.shape[-1]).astype(history.dtype)
-    mean = jnp.nanmean(history, axis=-1, keepdims=True)
-    ss = jnp.nansum((history - mean) ** 2, axis=-1)
-    std = jnp.sqrt(ss / jnp.maximum(n - 1, 1))
+    top = jnp.max(jnp.where(jnp.isnan(history), 0, history), axis=-1, keepdims=True)
+    unit = jnp.where(top > 0, jnp.ldexp(jnp.ones_like(top), jnp.frexp(top)[1]), 1)
+    d = history / unit - jnp.nanmean(history / unit, axis=-1, keepdims=True)
+    ss = jnp.nansum(d * d, axis=-1) - jnp.nansum(d, axis=-1) ** 2 / jnp.maximum(n, 1)
+    std = unit[..., 0] * jnp.sqrt(jnp.maximum(ss, 0) / jnp.maximum(n - 1, 1))
     return jnp.where(n >= 2, deviations * std, jnp.inf)
 
 

@@ -372,3 +372,35 @@ def test_auto_clip_never_zeroes_a_finite_first_step_beyond_float32():
     out, state = tx.update(g, tx.init(g))
     np.testing.assert_array_equal(out, g)
     assert float(state.threshold) == math.inf and int(state.finite_count) == 0
+
+
+@pytest.mark.parametrize("scale", [1e25, 1e-30, 1.0])
+@pytest.mark.parametrize("deviations", [0.0, 1.0, 2.5])
+def test_standard_clip_threshold_at_any_magnitude(scale, deviations):
+    # The std of the recorded norms (float64, Bessel's n - 1) times deviations, finite at
+    # 1e25 and 1e-30, where the squares of float32 norms overflow or underflow: no
+    # unclipped, zeroed or NaN step.
+    tx = jaxclip.standard_clip(deviations, 3)
+    state = tx.init({"w": jnp.zeros(2)})
+    step = jax.jit(tx.update)
+    x = np.array([3.0, 4.0])
+    for s in (1.0, 2.0, 4.0):
+        out, state = step({"w": jnp.asarray(x * s * scale, jnp.float32)}, state)
+    recorded = np.asarray(state.history[0, :2], np.float64)  # the norms before the last
+    threshold = deviations * np.std(recorded, ddof=1)
+    np.testing.assert_allclose(float(state.threshold[0]), threshold, rtol=1e-6)
+    n = 20.0 * scale
+    want = np.float32(x * 4 * scale) * (threshold / n if n > threshold else 1.0)
+    np.testing.assert_allclose(np.asarray(out["w"], np.float64), want, rtol=1e-6, atol=0)
+
+
+def test_standard_clip_threshold_of_close_norms():
+    # Norms 1000 (1 + k 1e-6): a float32 sum of squared deviations from a rounded mean
+    # loses the std to cancellation (2.7e-5 relative); the corrected sum keeps it.
+    tx = jaxclip.standard_clip(1.0, 8)
+    state = tx.init({"w": jnp.zeros(1)})
+    step = jax.jit(tx.update)
+    for k in range(8):
+        _, state = step({"w": jnp.asarray([1000.0 * (1 + k * 1e-6)], jnp.float32)}, state)
+    recorded = np.asarray(state.history[0], np.float64)[:7]  # all but the last step's
+    np.testing.assert_allclose(float(state.threshold[0]), np.std(recorded, ddof=1), rtol=1e-5)
