@@ -81,14 +81,14 @@ def test_derivative_of_a_clipped_and_a_kept_leaf():
 
 
 def test_history_clippers_compile_one_set_of_factor_kernels_for_many_leaves():
-    # 400 small leaves: the per-leaf history clippers compile about as many kernels as
-    # the whole-leaf clip_by_norm transform (one per leaf was several thousand more).
-    g = {f"p{i:03d}": jnp.ones((8 + i % 40,), jnp.float32) for i in range(400)}
+    # 150 small leaves: quantile_clip (standard_clip shares its step) compiles about as
+    # many kernels as the whole-leaf clip_by_norm transform (several per leaf more, 308,
+    # when the norms were split per leaf and stacked again).
+    g = {f"p{i:03d}": jnp.ones((8 + i % 40,), jnp.float32) for i in range(150)}
 
     def fusions(tx) -> int:
         state = tx.init(g)
         return jax.jit(tx.update).lower(g, state).compile().as_text().count(" fusion(")
 
-    base = fusions(jaxclip.clip_by_norm(1.0))
-    for tx in (jaxclip.quantile_clip(0.5), jaxclip.standard_clip(2.0)):
-        assert fusions(tx) <= base + 40, (fusions(tx), base)
+    base, history = fusions(jaxclip.clip_by_norm(1.0)), fusions(jaxclip.quantile_clip(0.5))
+    assert history <= base + 40, (history, base)
