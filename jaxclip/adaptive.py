@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxclip import _axes, _checks, _norms, _tree
@@ -431,12 +432,18 @@ def _std_threshold(history: Array, count: Array, deviations: Any) -> Array:
     # of two near the largest (exactly), so that squares neither overflow nor underflow
     # at any magnitude, and the mean's rounding is taken back out (the corrected
     # two-pass sum of squares), so that close norms do not lose the std to cancellation.
+    # The scale 2**e and its inverse stay normal (XLA:CPU flushes subnormals), so the
+    # largest norm is scaled to at most 4.
     n = jnp.minimum(count, history.shape[-1]).astype(history.dtype)
     top = jnp.max(jnp.where(jnp.isnan(history), 0, history), axis=-1, keepdims=True)
-    unit = jnp.where(top > 0, jnp.ldexp(jnp.ones_like(top), jnp.frexp(top)[1]), 1)
-    d = history / unit - jnp.nanmean(history / unit, axis=-1, keepdims=True)
+    info = np.finfo(history.dtype)
+    e = jnp.where(top > 0, jnp.clip(_norms.frexp(top)[1], info.minexp + 2, info.maxexp - 2), 0)
+    u = history * _norms.pow2(-e, history.dtype)
+    d = u - jnp.nanmean(u, axis=-1, keepdims=True)
     ss = jnp.nansum(d * d, axis=-1) - jnp.nansum(d, axis=-1) ** 2 / jnp.maximum(n, 1)
-    std = unit[..., 0] * jnp.sqrt(jnp.maximum(ss, 0) / jnp.maximum(n - 1, 1))
+    std = _norms.pow2(e[..., 0], history.dtype) * jnp.sqrt(
+        jnp.maximum(ss, 0) / jnp.maximum(n - 1, 1)
+    )
     return jnp.where(n >= 2, deviations * std, jnp.inf)
 
 

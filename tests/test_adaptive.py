@@ -404,3 +404,22 @@ def test_standard_clip_threshold_of_close_norms():
         _, state = step({"w": jnp.asarray([1000.0 * (1 + k * 1e-6)], jnp.float32)}, state)
     recorded = np.asarray(state.history[0], np.float64)[:7]  # all but the last step's
     np.testing.assert_allclose(float(state.threshold[0]), np.std(recorded, ddof=1), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "norms", [(2e38, 3e38, 1.0), (1.7e38, 1.71e38, 1.0), (8.6e37, 1.0, 1.0), (1e38, 1.0, 1.0, 1.0)]
+)
+def test_standard_clip_threshold_at_the_top_of_float32(norms):
+    # Norms near float32's largest: the scale stays a normal power of two (2**128 is inf,
+    # and its inverse a subnormal that XLA:CPU flushes: NaN or zeroed updates).
+    tx = jaxclip.standard_clip(2.0, 50, global_threshold=True)
+    state = tx.init(jnp.zeros(1))
+    step = jax.jit(tx.update)
+    for k, v in enumerate(norms):
+        out, state = step(jnp.asarray([v], jnp.float32), state)
+        if k >= 2:
+            recorded = np.asarray(norms[:k], np.float32).astype(np.float64)
+            want = 2.0 * np.std(recorded, ddof=1)
+            np.testing.assert_allclose(float(state.threshold), want, rtol=1e-6)
+            expect = np.float32(v) * min(1.0, want / v)
+            np.testing.assert_allclose(float(out[0]), expect, rtol=1e-6)
