@@ -513,3 +513,34 @@ def test_bfloat16_leaves_of_one_group_share_one_split_of_the_weights():
     assert sum("dot_general" in line for line in lines) == 20
     splits = [ln for ln in lines if "stablehlo.concatenate" in ln and "tensor<3x8xbf16>" in ln]
     assert len(splits) == (1 if jax.default_backend() == "cpu" else 0)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("scale", [1.0, 1e25, 1e-30])
+def test_a_tree_of_split_and_whole_leaves_on_an_explicit_mesh(scale):
+    # One leaf split over the batch, one whole: the whole leaf's rare-path sums are
+    # shifted by per-example factors that are split, and must still select their NaN
+    # mark (a ShardingTypeError before).
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    rng = np.random.default_rng(4)
+    host = {
+        "a": (rng.normal(size=(16, 5, 3)) * scale).astype(np.float32),
+        "b": (rng.normal(size=(16, 7)) * scale).astype(np.float32),
+    }
+    n = np.sqrt(
+        sum(np.sum(v.astype(np.float64) ** 2, axis=tuple(range(1, v.ndim))) for v in host.values())
+    )
+    f = np.minimum(1.0, 1e-3 * scale / n)
+    with jax.set_mesh(mesh):
+        g = {
+            "a": jax.device_put(host["a"], NamedSharding(mesh, P("data"))),
+            "b": jax.device_put(host["b"], NamedSharding(mesh, P())),
+        }
+        out, _ = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1e-3 * scale))(g)
+    for k, v in host.items():
+        want = np.tensordot(f, v.astype(np.float64), 1)
+        got = np.asarray(out[k], np.float64)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())

@@ -181,7 +181,13 @@ def _fused_reduce(x: Array, elem: Elem, s: Any, dims: tuple[int, ...], op: str) 
         dims,
     )
     # lax, not jnp.where: a jitted function, a call per reduction in the program.
-    return lax.select(low >= 0, r, lax.full_like(r, jnp.nan))
+    which = low >= 0
+    spec = getattr(jax.typeof(r).sharding, "spec", None)
+    if spec != getattr(jax.typeof(which).sharding, "spec", None):
+        # On an Explicit mesh, a replicated leaf shifted by factors split over the batch
+        # (another leaf's split) sums to split values while its minimum stays whole.
+        which = jax.sharding.reshard(which, spec)
+    return lax.select(which, r, lax.full_like(r, jnp.nan))
 
 
 def shaped(r: Any, shape: Shape) -> Any:
