@@ -220,9 +220,7 @@ def clip_slices_relative(
         where=where,
         raw=True,
     )
-    return apply_factors(
-        leaves, [Factor(*f[:3]) for f in per], [Norm(*f[3:5]) for f in per], [f[5] for f in per]
-    )
+    return _apply_stacked(leaves, per)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "axis_name", "paths"))
@@ -272,10 +270,16 @@ def clip_leaves(
         where=where,
         raw=True,
     )
-    out = apply_factors(
+    out = _apply_stacked(leaves, per)
+    return out, jnp.concatenate([jnp.ravel(f[6]).astype(dtype) for f in per])
+
+
+def _apply_stacked(leaves: Sequence[Array], per: Sequence[Any]) -> list[Array]:
+    """Each leaf scaled by its part of a stacked factors' result ``(keep, f0, f1, frac,
+    exp, limit, ...)``: the factor, the norm and the limit of the derivative rule."""
+    return apply_factors(
         leaves, [Factor(*f[:3]) for f in per], [Norm(*f[3:5]) for f in per], [f[5] for f in per]
     )
-    return out, jnp.concatenate([jnp.ravel(f[6]).astype(dtype) for f in per])
 
 
 def _replicated(

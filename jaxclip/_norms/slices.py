@@ -212,7 +212,7 @@ def _settled(sums: _Sums, u: int, ok: Array, fine: Array, report: str) -> Array:
 
 def _goes_rare(codes: list[Array], fine: list[Array], report: str) -> Array:
     """Whether the rare pass runs, from each stacked vector's :func:`_range_code` and
-    whether the floor is above its small slices' norms (``fine``)."""
+    whether the floor is above its small slices' norms (``fine``, read for "none" only)."""
     if report == "none":  # only an overflow, or a small slice below a low floor
         return any_of([(c == 2) | ((c > 0) & ~f) for c, f in zip(codes, fine)])
     # exact: every slice out of range; largest: a leaf's may be small only there
@@ -295,7 +295,7 @@ def unit_norms_body(
         return unstack(results, groups, shapes, static=static_split)
 
     if floor is None:
-        out = any_of([c > 0 for c in codes])
+        out = _goes_rare(codes, [], "exact")  # every slice out of range is read again
         return split(lax.cond(out, lambda: _rare(sums), lambda: _in_range(sums)))
     floored, reported = _floored(sums, floor, codes, report)
     return split(floored), split(reported)
