@@ -426,24 +426,36 @@ def _quantile(history: Array, count: Array, q: Any) -> Array:
     return jnp.nanquantile(history, q, axis=-1)  # linear, as torch.quantile
 
 
-def _std_threshold(history: Array, count: Array, deviations: Any) -> Array:
-    # torch.std (Bessel's n - 1); one recorded norm: the reference's std is NaN and
-    # its step NaN; here no clipping until there are two. The norms are scaled by a power
-    # of two near the largest (exactly), so that squares neither overflow nor underflow
-    # at any magnitude, and the mean's rounding is taken back out (the corrected
-    # two-pass sum of squares), so that close norms do not lose the std to cancellation.
-    # The scale 2**e and its inverse stay normal (XLA:CPU flushes subnormals), so the
-    # largest norm is scaled to at most 4.
-    n = jnp.minimum(count, history.shape[-1]).astype(history.dtype)
+def _moments(history: Array, n: Array, ddof: int) -> tuple[Array, Array]:
+    """Mean and std (divisor ``n - ddof``) of the ``n`` non-NaN entries along the last
+    axis, at any magnitude.
+
+    The entries are scaled by a power of two near the largest (exactly), so that squares
+    neither overflow nor underflow, and the mean's rounding is taken back out (the
+    corrected two-pass sum of squares), so that close values do not lose the std to
+    cancellation. The scale 2**e and its inverse stay normal (XLA:CPU flushes
+    subnormals), so the largest entry is scaled to at most 4.
+    """
     top = jnp.max(jnp.where(jnp.isnan(history), 0, history), axis=-1, keepdims=True)
     info = np.finfo(history.dtype)
     e = jnp.where(top > 0, jnp.clip(_norms.frexp(top)[1], info.minexp + 2, info.maxexp - 2), 0)
     u = history * _norms.pow2(-e, history.dtype)
-    d = u - jnp.nanmean(u, axis=-1, keepdims=True)
-    ss = jnp.nansum(d * d, axis=-1) - jnp.nansum(d, axis=-1) ** 2 / jnp.maximum(n, 1)
-    std = _norms.pow2(e[..., 0], history.dtype) * jnp.sqrt(
-        jnp.maximum(ss, 0) / jnp.maximum(n - 1, 1)
-    )
+    mu = jnp.nanmean(u, axis=-1, keepdims=True)
+    d = u - mu
+    n = jnp.maximum(n, 1)
+    sd = jnp.nansum(d, axis=-1)
+    ss = jnp.nansum(d * d, axis=-1) - sd**2 / n
+    scale = _norms.pow2(e[..., 0], history.dtype)
+    mean = scale * (mu[..., 0] + sd / n)
+    std = scale * jnp.sqrt(jnp.maximum(ss, 0) / jnp.maximum(n - ddof, 1))
+    return mean, std
+
+
+def _std_threshold(history: Array, count: Array, deviations: Any) -> Array:
+    # torch.std (Bessel's n - 1); one recorded norm: the reference's std is NaN and
+    # its step NaN; here no clipping until there are two.
+    n = jnp.minimum(count, history.shape[-1]).astype(history.dtype)
+    std = _moments(history, n, ddof=1)[1]
     return jnp.where(n >= 2, deviations * std, jnp.inf)
 
 
@@ -581,7 +593,10 @@ class ZClipState(NamedTuple):
 
     Attributes:
       mean: exponential moving mean of the (clipped) global norm.
-      var: exponential moving variance of the (clipped) global norm.
+      std: exponential moving standard deviation of the (clipped) global norm, the
+        square root of the reference's ``var`` (kept as a std so that it neither
+        overflows nor underflows where the norm's square would: float32 squares norms
+        above ~1.8e19 to inf and below ~1e-19 to 0).
       warmup: the finite norms seen during warm-up (NaN where not yet seen).
       finite_count: how many finite norms were seen in all.
       threshold: the norm the last update was clipped to (its pre-clip norm if none).
@@ -589,11 +604,16 @@ class ZClipState(NamedTuple):
     """
 
     mean: Array
-    var: Array
+    std: Array
     warmup: Array
     finite_count: Array
     threshold: Array
     global_norm: Array
+
+    @property
+    def var(self) -> Array:
+        """The reference's ``var``, ``std**2`` (inf where that overflows float32)."""
+        return jnp.square(self.std)
 
 
 _UNSET: Any = object()  # max_norm, the old name of max_grad_norm, not given
@@ -620,8 +640,8 @@ def zclip(
     with its options under its names, in its positional order (``zclip(0.97, 2.5, 2.0)``
     caps at 2.0, as ``ZClip(0.97, 2.5, 2.0)``), and its defaults. During the first ``warmup_steps``
     finite norms only statistics are gathered (each step capped at ``max_grad_norm``); then
-    ``mean`` and ``var`` start as their mean and population variance. After that, with
-    ``std = sqrt(var)`` and the global norm ``n``:
+    ``mean`` and ``std`` start as their mean and population standard deviation. After
+    that, with the global norm ``n``:
 
     - ``mode="zscore"``: ``z = (n - mean) / (std + eps)``; where ``z > z_thresh`` the
       norm is a spike and is clipped to
@@ -638,7 +658,8 @@ def zclip(
     Every step is also capped at ``max_grad_norm`` (None: no cap). The statistics then take
     the spike's threshold in place of the norm (``max_grad_norm`` left out), unless
     ``skip_update_on_spike``: ``mean <- alpha mean + (1 - alpha) n'`` and
-    ``var <- alpha var + (1 - alpha) (n' - mean)**2`` with the new mean.
+    ``std**2 <- alpha std**2 + (1 - alpha) (n' - mean)**2`` with the new mean (the
+    reference's ``var``, held as its square root: ``state.var`` gives ``std**2``).
 
     Deliberate differences from the reference: non-finite norms never enter the
     statistics nor count as warm-up steps (the reference records a NaN, after which every
@@ -725,7 +746,7 @@ def zclip(
         sel, xs, norm, parts = _selected(updates, need_clip, axis_name, "zclip")
         finite = jnp.isfinite(norm)
         warming = state.finite_count < warmup_steps
-        std = jnp.sqrt(state.var)
+        std = state.std
         if mode == "percentile":
             limit = state.mean + z_thresh * std
             spike = norm > limit
@@ -748,20 +769,20 @@ def zclip(
             state.warmup,
         )
         ready = warming & finite & (state.finite_count + 1 == warmup_steps)
-        mean0 = jnp.nanmean(warmup)
-        var0 = jnp.nanmean((warmup - mean0) ** 2)
+        mean0, std0 = _moments(warmup, jnp.asarray(warmup_steps, warmup.dtype), ddof=0)
         mean1 = alpha * state.mean + (1 - alpha) * adaptive
-        var1 = alpha * state.var + (1 - alpha) * (adaptive - mean1) ** 2
+        # sqrt(alpha var + (1 - alpha) (n' - mean)**2) without squaring the norms.
+        std1 = jnp.hypot(jnp.sqrt(alpha) * std, jnp.sqrt(1 - alpha) * (adaptive - mean1))
         tracking = ~warming & finite
         if skip_update_on_spike:
             tracking = tracking & ~spike
         mean = jnp.where(ready, mean0, jnp.where(tracking, mean1, state.mean))
-        var = jnp.where(ready, var0, jnp.where(tracking, var1, state.var))
+        std = jnp.where(ready, std0, jnp.where(tracking, std1, std))
         count = state.finite_count + finite.astype(jnp.int32)
         # float32 state whatever the hyperparameters' dtype (NumPy float64 under x64):
         # scan carries need init's dtypes.
-        mean, var, threshold = (v.astype(jnp.float32) for v in (mean, var, threshold))
-        return clipped, ZClipState(mean, var, warmup, count, threshold, norm)
+        mean, std, threshold = (v.astype(jnp.float32) for v in (mean, std, threshold))
+        return clipped, ZClipState(mean, std, warmup, count, threshold, norm)
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 

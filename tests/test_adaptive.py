@@ -111,8 +111,11 @@ def test_auto_clip_scripted(window):
 # ZClip
 
 
-def _zclip_reference(norms, alpha, z_thresh, warmup, max_norm=None, eps=1e-6):
-    """An independent float64 transcription of the ZClip algorithm."""
+def _zclip_reference(
+    norms, alpha, z_thresh, warmup, max_norm=None, eps=1e-6, mode="zscore", stats=None
+):
+    """An independent float64 transcription of the ZClip algorithm; ``stats`` (a list)
+    receives ``(mean, std)`` after each step once warm."""
     buf, mean, var, out = [], None, None, []
     for n in norms:
         if not np.isfinite(n):
@@ -125,13 +128,18 @@ def _zclip_reference(norms, alpha, z_thresh, warmup, max_norm=None, eps=1e-6):
             if len(buf) == warmup:
                 mean = np.mean(buf)
                 var = np.mean((np.array(buf) - mean) ** 2)
+                stats is None or stats.append((mean, math.sqrt(var)))
             continue
         std = math.sqrt(var)
-        z = (n - mean) / (std + eps)
-        clip = mean + z_thresh * std / (z / z_thresh) if z > z_thresh else n
+        if mode == "percentile":
+            clip = min(n, mean + z_thresh * std)
+        else:
+            z = (n - mean) / (std + eps)
+            clip = mean + z_thresh * std / (z / z_thresh) if z > z_thresh else n
         out.append(min(clip, cap, n))
         mean = alpha * mean + (1 - alpha) * clip
         var = alpha * var + (1 - alpha) * (clip - mean) ** 2
+        stats is None or stats.append((mean, math.sqrt(var)))
     return out
 
 
@@ -148,6 +156,43 @@ def test_zclip_scripted(max_norm):
             np.testing.assert_allclose(out, e, rtol=2e-6)
     assert outs[5] < 4.0  # the spike of 80 is clipped hard
     assert np.isfinite(float(states[-1].mean)) and np.isfinite(float(states[-1].var))
+
+
+@pytest.mark.parametrize("mode", ["zscore", "percentile"])
+@pytest.mark.parametrize(("scale", "eps"), [(1.0, 0.0), (1e25, 0.0), (1e-25, 0.0), (1e25, 1e-6)])
+def test_zclip_at_any_magnitude(scale, eps, mode):
+    # Norms of 1e25 and 1e-25 scale, whose float32 squares overflow or underflow: the
+    # spikes are found and clipped as in float64 (a variance held as float32 squares
+    # was inf, never a spike, or 0, every step above the mean a spike).
+    norms = [n * scale for n in NORMS]
+    tx = jaxclip.zclip(0.9, 2.0, None, eps, 3, mode=mode)
+    outs, states = _run(tx, norms)
+    stats: list = []
+    expected = _zclip_reference(norms, 0.9, 2.0, 3, None, eps, mode, stats)
+    for out, e in zip(outs, expected):
+        if e is not None:
+            np.testing.assert_allclose(out, e, rtol=2e-6)
+    warm = [s for s, n in zip(states, norms) if np.isfinite(n)][2:]
+    got = np.array([(float(s.mean), float(s.std)) for s in warm])
+    np.testing.assert_allclose(got, stats, rtol=2e-6)
+    if scale == 1.0:  # the reference's var, std**2 (inf or 0 where float32 cannot hold it)
+        np.testing.assert_allclose(float(warm[-1].var), stats[-1][1] ** 2, rtol=5e-6)
+
+
+def test_zclip_at_the_top_of_float32():
+    # Warm-up norms whose float32 sum overflows (3 x 2e38) and a spike near float32's
+    # largest: the mean, the std and the clip as in float64.
+    norms = [2e38, 2.2e38, 2.1e38, 2.05e38, 3.3e38, 2.1e38]
+    tx = jaxclip.zclip(0.9, 1.0, None, 0.0, 3)
+    outs, states = _run(tx, norms)
+    stats: list = []
+    expected = _zclip_reference(
+        np.float32(norms).astype(float), 0.9, 1.0, 3, None, 0.0, "zscore", stats
+    )
+    np.testing.assert_allclose(outs, expected, rtol=2e-6)
+    assert expected[4] < 2.3e38  # the spike is clipped
+    got = np.array([(float(s.mean), float(s.std)) for s in states[2:]])
+    np.testing.assert_allclose(got, stats, rtol=2e-6)
 
 
 def test_zclip_inside_inject_hyperparams_and_scan():
