@@ -13,6 +13,7 @@ Run from the repository root (not part of the default suite; it takes a while)::
     python tests/mutation.py --sample 80 --seed 0 --workers 2
     python tests/mutation.py --list            # the mutation sites, numbered
     python tests/mutation.py --only 17 203     # given mutants, e.g. to re-check survivors
+    python tests/mutation.py --files jaxclip/adaptive.py --list   # a module outside the core
 
 ``--tests`` chooses the test files run on every mutant (by default ``tests/test_core.py``,
 written to fail fast), ``--then`` those run on its survivors; both are parts of the
@@ -92,10 +93,10 @@ def _excluded_spans(tree: ast.AST) -> list[tuple[tuple[int, int], tuple[int, int
     return spans
 
 
-def sites() -> list[Mutant]:
-    """Every mutation site of the core, in file order."""
+def sites(files: list[pathlib.Path] | None = None) -> list[Mutant]:
+    """Every mutation site of the core (or of ``files``), in file order."""
     out: list[Mutant] = []
-    for path in sorted(CORE.glob("*.py")):
+    for path in files or sorted(CORE.glob("*.py")):
         text = path.read_text()
         spans = _excluded_spans(ast.parse(text))
 
@@ -198,8 +199,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--out", default="mutation_results.json")
+    ap.add_argument(
+        "--files", nargs="*", help="mutate these modules instead of the core (jaxclip/adaptive.py)"
+    )
     args = ap.parse_args()
-    all_sites = sites()
+    all_sites = sites([ROOT / f for f in args.files] if args.files else None)
     if args.list:
         for m in all_sites:
             print(f"{m.number:5d} {m.path}:{m.line}:{m.col} {m.old!r} -> {m.new!r}")

@@ -112,7 +112,7 @@ def test_auto_clip_scripted(window):
 
 
 def _zclip_reference(
-    norms, alpha, z_thresh, warmup, max_norm=None, eps=1e-6, mode="zscore", stats=None
+    norms, alpha, z_thresh, warmup, max_norm=None, eps=1e-6, mode="zscore", stats=None, skip=False
 ):
     """An independent float64 transcription of the ZClip algorithm; ``stats`` (a list)
     receives ``(mean, std)`` after each step once warm."""
@@ -132,11 +132,16 @@ def _zclip_reference(
             continue
         std = math.sqrt(var)
         if mode == "percentile":
-            clip = min(n, mean + z_thresh * std)
+            spike = n > mean + z_thresh * std
+            clip = mean + z_thresh * std if spike else n
         else:
             z = (n - mean) / (std + eps)
-            clip = mean + z_thresh * std / (z / z_thresh) if z > z_thresh else n
+            spike = z > z_thresh
+            clip = mean + z_thresh * std / (z / z_thresh) if spike else n
         out.append(min(clip, cap, n))
+        if spike and skip:
+            stats is None or stats.append((mean, std))
+            continue
         mean = alpha * mean + (1 - alpha) * clip
         var = alpha * var + (1 - alpha) * (clip - mean) ** 2
         stats is None or stats.append((mean, math.sqrt(var)))
@@ -193,6 +198,63 @@ def test_zclip_at_the_top_of_float32():
     assert expected[4] < 2.3e38  # the spike is clipped
     got = np.array([(float(s.mean), float(s.std)) for s in states[2:]])
     np.testing.assert_allclose(got, stats, rtol=2e-6)
+
+
+def test_zclip_state_through_warmup():
+    # mean and std stay 0 until the warm-up's last norm, then are the warm-up norms' mean
+    # and population std (all of them, whatever their order); warmup keeps those norms.
+    norms = [1.0, 4.0, 2.0, 7.0, 3.0, 3.5]
+    tx = jaxclip.zclip(0.9, 2.5, None, 0.0, 4)
+    _, states = _run(tx, norms)
+    for s in states[:3]:
+        assert float(s.mean) == 0.0 and float(s.std) == 0.0
+    w = np.array(norms[:4])
+    np.testing.assert_allclose(
+        [float(states[3].mean), float(states[3].std)], [w.mean(), w.std()], rtol=1e-6
+    )
+    for s in states[3:]:
+        np.testing.assert_allclose(np.asarray(s.warmup), w, rtol=1e-6)
+
+
+def test_zclip_warmup_mean_is_correctly_rounded():
+    # 25 close warm-up norms: a float32 mean is off by up to ~2.5 ulp; the mean's
+    # rounding taken back out leaves it within half an ulp of the float64 mean.
+    tx = jaxclip.zclip(0.9, 2.5, None, 0.0, 25)
+    step = jax.jit(tx.update)
+    rng = np.random.default_rng(0)
+    for trial in range(4):
+        state = tx.init(jnp.zeros(1))
+        for n in 1 + rng.random(25) * 10.0 ** -rng.integers(1, 4):
+            _, state = step(jnp.asarray([n], jnp.float32), state)
+        w = np.asarray(state.warmup, np.float64)
+        ulp = np.spacing(np.float32(w.mean()))
+        assert abs(float(state.mean) - w.mean()) <= 0.5001 * ulp, trial
+        np.testing.assert_allclose(float(state.std), w.std(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["zscore", "percentile"])
+def test_zclip_norm_at_the_threshold_is_not_a_spike(mode):
+    # Warm-up 1, 3: mean 2, std 1; with z_thresh 1 and eps 0 a norm of 3 is at the
+    # threshold, not over it (the reference's strict >): the statistics take it even with
+    # skip_update_on_spike.
+    tx = jaxclip.zclip(0.5, 1.0, None, 0.0, 2, mode=mode, skip_update_on_spike=True)
+    outs, states = _run(tx, [1.0, 3.0, 3.0])
+    np.testing.assert_allclose(outs[2], 3.0, rtol=1e-6)
+    np.testing.assert_allclose(float(states[2].mean), 2.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["zscore", "percentile"])
+def test_zclip_skip_update_on_spike(mode):
+    # A spike (80) and a NaN after warm-up: neither enters the statistics.
+    tx = jaxclip.zclip(0.9, 2.0, None, 0.0, 3, mode=mode, skip_update_on_spike=True)
+    outs, states = _run(tx, NORMS)
+    stats: list = []
+    expected = _zclip_reference(NORMS, 0.9, 2.0, 3, None, 0.0, mode, stats, skip=True)
+    for out, e in zip(outs, expected):
+        if e is not None:
+            np.testing.assert_allclose(out, e, rtol=2e-6)
+    warm = [s for s, n in zip(states, NORMS) if np.isfinite(n)][2:]
+    np.testing.assert_allclose([(float(s.mean), float(s.std)) for s in warm], stats, rtol=2e-6)
 
 
 def test_zclip_inside_inject_hyperparams_and_scan():
