@@ -593,27 +593,36 @@ class ZClipState(NamedTuple):
 
     Attributes:
       mean: exponential moving mean of the (clipped) global norm.
-      std: exponential moving standard deviation of the (clipped) global norm, the
-        square root of the reference's ``var`` (kept as a std so that it neither
-        overflows nor underflows where the norm's square would: float32 squares norms
-        above ~1.8e19 to inf and below ~1e-19 to 0).
+      var: exponential moving variance of the (clipped) global norm, the reference's
+        ``var``; ``std**2`` as float32 rounds it (inf beyond norms of ~1.8e19, 0 below
+        ~1e-19).
       warmup: the finite norms seen during warm-up (NaN where not yet seen).
       finite_count: how many finite norms were seen in all.
       threshold: the norm the last update was clipped to (its pre-clip norm if none).
       global_norm: the pre-clip global norm of the last update.
+      std: the moving standard deviation, exact where ``var`` cannot hold its square.
+        The update uses it while ``var == std**2`` (as the update leaves them), and
+        ``sqrt(var)`` otherwise: to start from given statistics set ``mean`` and ``var``
+        (``state._replace(mean=1.0, var=0.25)``, as the reference's tests set
+        ``zclip.mean`` and ``zclip.var``); ``None`` (a state built without it) is
+        ``sqrt(var)``.
     """
 
     mean: Array
-    std: Array
+    var: Array
     warmup: Array
     finite_count: Array
     threshold: Array
     global_norm: Array
+    std: Array | None = None
 
-    @property
-    def var(self) -> Array:
-        """The reference's ``var``, ``std**2`` (inf where that overflows float32)."""
-        return jnp.square(self.std)
+
+def _zclip_std(state: ZClipState) -> Array:
+    """The std the update starts from: ``state.std`` while ``var`` is its square."""
+    root = jnp.sqrt(state.var)
+    if state.std is None:
+        return root
+    return jnp.where(jnp.square(state.std) == state.var, state.std, root)
 
 
 _UNSET: Any = object()  # max_norm, the old name of max_grad_norm, not given
@@ -640,8 +649,8 @@ def zclip(
     with its options under its names, in its positional order (``zclip(0.97, 2.5, 2.0)``
     caps at 2.0, as ``ZClip(0.97, 2.5, 2.0)``), and its defaults. During the first ``warmup_steps``
     finite norms only statistics are gathered (each step capped at ``max_grad_norm``); then
-    ``mean`` and ``std`` start as their mean and population standard deviation. After
-    that, with the global norm ``n``:
+    ``mean`` and ``var`` start as their mean and population variance. After that, with
+    ``std = sqrt(var)`` and the global norm ``n``:
 
     - ``mode="zscore"``: ``z = (n - mean) / (std + eps)``; where ``z > z_thresh`` the
       norm is a spike and is clipped to
@@ -658,8 +667,8 @@ def zclip(
     Every step is also capped at ``max_grad_norm`` (None: no cap). The statistics then take
     the spike's threshold in place of the norm (``max_grad_norm`` left out), unless
     ``skip_update_on_spike``: ``mean <- alpha mean + (1 - alpha) n'`` and
-    ``std**2 <- alpha std**2 + (1 - alpha) (n' - mean)**2`` with the new mean (the
-    reference's ``var``, held as its square root: ``state.var`` gives ``std**2``).
+    ``var <- alpha var + (1 - alpha) (n' - mean)**2`` with the new mean, computed on the
+    std (``hypot``) so that norms of any magnitude keep it (see :class:`ZClipState`).
 
     Deliberate differences from the reference: non-finite norms never enter the
     statistics nor count as warm-up steps (the reference records a NaN, after which every
@@ -739,14 +748,15 @@ def zclip(
             return jnp.zeros((), jnp.float32)
 
         nan = jnp.full((warmup_steps,), jnp.nan, jnp.float32)
-        return ZClipState(zero(), zero(), nan, jnp.zeros((), jnp.int32), zero(), zero())
+        count = jnp.zeros((), jnp.int32)
+        return ZClipState(zero(), zero(), nan, count, zero(), zero(), zero())
 
     def update_fn(updates: PyTree, state: ZClipState, params: Any = None):
         del params
         sel, xs, norm, parts = _selected(updates, need_clip, axis_name, "zclip")
         finite = jnp.isfinite(norm)
         warming = state.finite_count < warmup_steps
-        std = state.std
+        std = _zclip_std(state)
         if mode == "percentile":
             limit = state.mean + z_thresh * std
             spike = norm > limit
@@ -782,7 +792,8 @@ def zclip(
         # float32 state whatever the hyperparameters' dtype (NumPy float64 under x64):
         # scan carries need init's dtypes.
         mean, std, threshold = (v.astype(jnp.float32) for v in (mean, std, threshold))
-        return clipped, ZClipState(mean, std, warmup, count, threshold, norm)
+        var = jnp.square(std)
+        return clipped, ZClipState(mean, var, warmup, count, threshold, norm, std)
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 

@@ -216,6 +216,32 @@ def test_zclip_state_through_warmup():
         np.testing.assert_allclose(np.asarray(s.warmup), w, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("mode", "clip_option", "skip", "want_norm", "want_mean"),
+    [
+        ("zscore", "adaptive_scaling", False, 1.5, 0.9 + 0.1 * 1.5),
+        ("zscore", "mean", False, 1.0, 1.0),
+        ("percentile", "adaptive_scaling", False, 2.0, 0.9 + 0.1 * 2.0),
+        ("zscore", "adaptive_scaling", True, 1.5, 1.0),
+    ],
+)
+@pytest.mark.parametrize("build", ["replace", "six_fields"])
+def test_zclip_from_given_statistics(mode, clip_option, skip, want_norm, want_mean, build):
+    # The reference's tests set zclip.mean = 1.0, zclip.var = 0.25 (std 0.5) and step a
+    # norm of 3 (z = 4 with z_thresh 2): adaptive scaling clips it to 1 + 1 / 2, "mean" to
+    # 1, percentile to 1 + 2 * 0.5; the mean moves to the clipped norm unless skipped.
+    tx = jaxclip.zclip(0.9, 2.0, None, 0.0, 3, mode, clip_option, skip_update_on_spike=skip)
+    state = tx.init(_grads(1.0))
+    given = {"mean": jnp.float32(1.0), "var": jnp.float32(0.25), "finite_count": jnp.int32(3)}
+    state = state._replace(**given)
+    if build == "six_fields":  # a state built without std, as before it existed
+        state = jaxclip.ZClipState(*state[:6])
+    out, state = jax.jit(tx.update)(_grads(3.0), state)
+    np.testing.assert_allclose(float(ref.norm(jax.tree.leaves(out), 2.0)), want_norm, rtol=1e-6)
+    np.testing.assert_allclose(float(state.mean), want_mean, rtol=1e-6)
+    np.testing.assert_allclose(float(state.var), float(state.std) ** 2, rtol=1e-6)
+
+
 def test_zclip_warmup_mean_is_correctly_rounded():
     # 25 close warm-up norms: a float32 mean is off by up to ~2.5 ulp; the mean's
     # rounding taken back out leaves it within half an ulp of the float64 mean.
