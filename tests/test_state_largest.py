@@ -183,7 +183,9 @@ def test_parts_of_more_than_segment_max_size_norms_are_reduced_alone(rows, scatt
     tree = {f"w{i}": jnp.ones((r, 600)) for i, r in enumerate(rows)}
     tx = jaxclip.clip_by_norm(1.0, axes=-1)
     text = jax.jit(tx.update).lower(tree, tx.init(tree)).compile().as_text()
-    assert text.count(" scatter(") == scatters
+    # The largest norms' segment maxima (the rare path's settled codes take their own).
+    lines = [t for t in text.splitlines() if " scatter(" in t and "_layout_norms" not in t]
+    assert len(lines) == scatters
 
 
 def test_float64_norms_beyond_float32_are_checked_before_the_states_float32():

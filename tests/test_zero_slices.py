@@ -225,13 +225,14 @@ def test_floored_norms_skip_the_small_slices_and_the_reported_ones_do_not():
 )
 def test_one_rare_branch_per_unit_serves_clipping_and_the_norms(report):
     """The clipped leaves and the reported norms share one rare pass: a conditional per
-    unit (the leaf alone here) and a few for the call; a second rare pass for the
-    reported norms would double the per-unit ones."""
+    unit (the leaf alone here) and a few for the call (one of them the opaque offsets
+    of the units' settled flags); a second rare pass for the reported norms would double
+    the per-unit ones."""
     xs = [np.ones((8 + i, 40 - i), np.float32) for i in range(3)]
     kw = {"axes": ((1,),) * len(xs), "report": report}
     both = jax.jit(lambda g: leafwise.clip_slices(g, 2.0, clip_norm=1.0, **kw))
     count = both.lower(xs).compile().as_text().count("conditional(")
-    assert len(xs) < count <= len(xs) + 4, count
+    assert len(xs) < count <= len(xs) + 5, count
 
 
 def test_transform_state_under_vmap_is_each_examples_largest_norm():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,7 +31,7 @@ from jaxclip._norms.arith import (
     in_range_norm,
     where_norm,
 )
-from jaxclip._norms.backend import Axes, native, one_pass, rare_native
+from jaxclip._norms.backend import Axes, native, one_pass, opaque, pick, rare_native
 from jaxclip._norms.devices import Combine, has_unmapped, pmax, psum
 from jaxclip._norms.passes import blue_norm, blue_sums, inf_norms, inf_result, max_abs, power_sum
 from jaxclip._norms.rare import max_shift, shift_factors, shifted_norm, shifted_sum, sum_shift
@@ -147,40 +147,133 @@ def _finish(p: float, s: Array, ok: Array, t: Array, m: Array | None = None, e: 
 
 
 def _in_range_flags(sums: _Sums) -> list[Array]:
-    """Per unit, per slice, whether its plain sum is exact (inside the rare branch only:
-    as operands of the cond they would be kernels run on every call)."""
-    return [in_exact_range(s, acc_dtype(s.dtype)) for s in sums.sums]
+    """Per group of stacked sums, per slice, whether its plain sum is exact (inside the
+    rare branch only: as operands of the cond they would be kernels run on every call;
+    per group, not per unit: a kernel per unit, for each of hundreds of units)."""
+    return [in_exact_range(v, acc_dtype(v.dtype)) for v in sums.flat]
 
 
 def _rare(
     sums: _Sums, oks: list[Array] | None = None, settled: list[Array] | None = None
 ) -> list[Norm]:
-    """The rare path: a unit whose slices are all in range (``oks``), or which
-    ``settled`` says needs no more (its other slices count 0), keeps its plain norms;
-    the others read their data again, shifted."""
-    p = sums.p
+    """The rare path: a unit whose slices are all in range (``oks``, per group), or
+    which ``settled`` says needs no more (its other slices count 0), keeps its plain
+    norms; the others read their data again, shifted."""
+    p, groups = sums.p, sums.groups
     oks = _in_range_flags(sums) if oks is None else oks
-    done = settled if settled is not None else [every(ok) for ok in oks]
+    done = _all_settled(sums, oks, None, "exact") if settled is None else settled
     kinds = zip(sums.units, sums.axes, sums.bucketed, sums.combines)
+    shapes = [s.shape for s in sums.sums]
     if p == 2.0:
-        factors = stacked(
-            lambda s, ok: shift_factors(sum_shift(s, ok), None, s.dtype, True)[0], sums.sums, oks
-        )
+        factors = [
+            shift_factors(sum_shift(s, ok), None, s.dtype, True)[0] for s, ok in zip(sums.flat, oks)
+        ]
         ts = [
             lax.cond(d, _zeros, _shifted_by_sum(p, a, b, c), x, f)
-            for (x, a, b, c), d, f in zip(kinds, done, factors)
+            for (x, a, b, c), d, f in zip(kinds, done, unstack(factors, groups, shapes, False))
         ]
-        return [_finish(p, *v) for v in stack(sums.groups, sums.sums, oks, ts)]
+        return [_finish(p, s, ok, *v) for s, ok, v in zip(sums.flat, oks, stack(groups, ts))]
+    unit_oks = unstack(oks, groups, shapes, False)
     parts = [
         lax.cond(
             d,
             functools.partial(_neutral, jnp.zeros_like(s)),
             functools.partial(_shifted_by_max, x, p, a, b, c, ok),
         )
-        for (x, a, b, c), d, s, ok in zip(kinds, done, sums.sums, oks)
+        for (x, a, b, c), d, s, ok in zip(kinds, done, sums.sums, unit_oks)
     ]
     ms, es, ts = (list(v) for v in zip(*parts))
-    return [_finish(p, *v) for v in stack(sums.groups, sums.sums, oks, ts, ms, es)]
+    return [_finish(p, s, ok, *v) for s, ok, v in zip(sums.flat, oks, stack(groups, ts, ms, es))]
+
+
+def _all_settled(
+    sums: _Sums, oks: list[Array], fine: list[Array] | None, report: str
+) -> list[Array]:
+    """Per unit, whether it needs no second read (:func:`_settled`), from each group's
+    flags ``oks`` (and ``fine``, per group, unless ``report`` is "exact"): a unit alone
+    in its group reduces its own codes, the units of a stack share one segment maximum
+    (a reduction per unit is a few kernels each, for each of hundreds of units)."""
+    out: dict[int, Array] = {}
+    stacks: list[tuple[list[int], Array]] = []  # per stacked group: its units, their flags
+    for g, members in enumerate(sums.groups):
+        f = jnp.zeros((), bool) if fine is None else fine[g]
+        if len(members) == 1:
+            u = members[0]
+            s = sums.sums[u]
+            ok = oks[g] if oks[g].shape == s.shape else lax.reshape(oks[g], s.shape)
+            out[u] = _settled(sums, u, ok, f, report)
+        else:
+            stacks.append((members, _group_settled(sums, g, oks[g], f, report)))
+    # A value per unit, at offsets XLA cannot fold (one conditional for all): alike
+    # units share their kernel.
+    ats = iter(opaque([k for members, _ in stacks for k in range(len(members))], _first(stacks)))
+    for members, flags in stacks:
+        out.update((u, lax.reshape(pick(flags, next(ats), 1), ()) > 0) for u in members)
+    return [out[u] for u in range(len(sums.sums))]
+
+
+def _first(stacks: list[tuple[list[int], Array]]) -> Array | None:
+    return stacks[0][1] if stacks else None
+
+
+class _Segments(NamedTuple):
+    """Of a group's stacked slices: each one's segment (a leaf or an example, whose codes
+    :func:`_settled` reads together, or a whole unit), each segment's target (its unit
+    needs no second read where every segment's largest code is its target) and unit,
+    and which slices are read as "all in range"."""
+
+    ids: np.ndarray
+    targets: np.ndarray
+    owner: np.ndarray
+    in_range: np.ndarray
+
+
+def _segments(sums: _Sums, members: Sequence[int], report: str) -> _Segments:
+    """The :class:`_Segments` of the group of units ``members`` (static)."""
+    ids, targets, owner, in_range = [], [], [], []
+    for k, u in enumerate(members):
+        s, kind, batch = sums.sums[u], sums.bucketed[u], sums.batch
+        whole = report != "largest" or kind is True
+        if not s.size:  # no segment: settled
+            local, count = np.zeros(0, np.int64), 0
+        elif whole or (batch == 1 and not isinstance(kind, tuple)):
+            local, count = np.zeros(s.size, np.int64), 1
+        elif isinstance(kind, tuple):  # per example, per leaf: its rows
+            leaf = np.repeat(np.arange(len(kind)), kind)
+            local, count = (np.arange(batch)[:, None] * len(kind) + leaf).ravel(), batch * len(kind)
+        else:  # per example
+            local, count = np.repeat(np.arange(batch), s.size // batch), batch
+        ids.append(local + len(targets))
+        targets += [0.0 if whole else 1.0] * count
+        owner += [k] * count
+        in_range.append(np.full(s.size, whole))
+    return _Segments(
+        np.concatenate(ids).astype(np.int32),
+        np.asarray(targets, np.float32),
+        np.asarray(owner, np.int32),
+        np.concatenate(in_range),
+    )
+
+
+def _group_settled(sums: _Sums, g: int, ok: Array, fine: Array, report: str) -> Array:
+    """Per unit of stacked group ``g`` (flags ``ok``), positive where :func:`_settled`:
+    one segment maximum of a code per slice, one segment minimum per unit."""
+    s, members = sums.flat[g], sums.groups[g]
+    seg = _segments(sums, members, report)
+    in_range = jnp.where(ok, 0.0, 1.0)  # 0: in range
+    if report == "none":
+        code = jnp.where(ok | (_low(s) & fine), 0.0, 1.0)
+    elif seg.in_range.all():
+        code = in_range
+    else:  # 2: floored needs it; 1: a large slice
+        need = ~ok & ~(_low(s) & fine)
+        code = jnp.where(need, 2.0, jnp.where(s >= 4 * exact_lo(s.dtype), 1.0, 0.0))
+        code = jnp.where(seg.in_range, in_range, code) if seg.in_range.any() else code
+    top = jax.ops.segment_max(
+        code.astype(jnp.float32), seg.ids, len(seg.targets), indices_are_sorted=True
+    )
+    hit = (top == seg.targets).astype(jnp.float32)
+    return jax.ops.segment_min(hit, seg.owner, len(members), indices_are_sorted=True)
 
 
 def _settled(sums: _Sums, u: int, ok: Array, fine: Array, report: str) -> Array:
@@ -235,11 +328,7 @@ def _floored(sums: _Sums, floor: Array, codes: list[Array], report: str) -> tupl
 
     def rare_pass() -> list[Norm]:
         oks = _in_range_flags(sums)
-        settled = [
-            _settled(sums, u, ok, fine_of(s), report)
-            for u, (ok, s) in enumerate(zip(oks, sums.sums))
-        ]
-        return _rare(sums, oks, settled)
+        return _rare(sums, oks, _all_settled(sums, oks, [fine_of(v) for v in flat], report))
 
     norms = lax.cond(go, rare_pass, functools.partial(_in_range, sums))
     # Slices too small to reach the floor count 0 for clipping: exact or not, their
