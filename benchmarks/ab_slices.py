@@ -38,6 +38,8 @@ CELLS: list[tuple[str, str, Any]] = [
     ("transformer", "bfloat16", -1),
     ("transformer", "float16", 0),
     ("small1000", "float32", -1),
+    ("small1000", "float32", 0),
+    ("conv", "bfloat16", 0),
 ]
 
 

@@ -564,8 +564,8 @@ def test_float16_row_sums_over_trailing_axes_are_accurate(shape, axes, chunk):
         ((2048, 2048), 0, "f16[16,2048]"),  # 1/64 of the leaf a chunk, above 16384
         ((3, 65536), 0, None),  # fewer than 32 rows: one fused block
         ((128, 128), 0, "f16[64,128]"),  # a small leaf of 32 rows or more: two chunks
-        ((32, 256), 0, "f16[16,256]"),
-        ((31, 256), 0, None),
+        ((33, 256), 0, "f16[16,256]"),
+        ((32, 256), 0, None),  # up to 32 rows: the rows' sum (backend.SHORT_LEADING)
         ((4, 64, 32), 1, "f16[4,32,32]"),  # middle axes
     ],
 )
