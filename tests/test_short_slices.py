@@ -95,6 +95,7 @@ def test_short_slices_are_not_reduced():
 @pytest.mark.parametrize(
     ("shape", "dims", "short"),
     [
+        ((100, 2), (1,), True),  # two elements: the least worth adding as slices
         ((100, 8), (1,), True),
         ((100, 9), (1,), False),  # trailing: at most SHORT_TRAILING
         ((32, 100), (0,), True),
