@@ -604,8 +604,8 @@ class ZClipState(NamedTuple):
         The update uses it while ``var == std**2`` (as the update leaves them), and
         ``sqrt(var)`` otherwise: to start from given statistics set ``mean`` and ``var``
         (``state._replace(mean=1.0, var=0.25)``, as the reference's tests set
-        ``zclip.mean`` and ``zclip.var``); ``None`` (a state built without it) is
-        ``sqrt(var)``.
+        ``zclip.mean`` and ``zclip.var``); ``None`` (a state built without it, which
+        the update keeps so) is ``sqrt(var)``.
     """
 
     mean: Array
@@ -615,6 +615,17 @@ class ZClipState(NamedTuple):
     threshold: Array
     global_norm: Array
     std: Array | None = None
+
+
+def _ema_std(std: Array, d: Array, alpha: Any) -> Array:
+    """``sqrt(alpha std**2 + (1 - alpha) d**2)`` without squaring: a hypot of the terms
+    scaled by a power of two near the larger, so that neither they nor their products
+    leave float32's normal range at any magnitude."""
+    info = np.finfo(np.float32)
+    top = jnp.maximum(std, jnp.abs(d)).astype(jnp.float32)
+    e = jnp.where(top > 0, jnp.clip(_norms.frexp(top)[1], info.minexp + 2, info.maxexp - 2), 0)
+    down, up = _norms.pow2(-e, jnp.float32), _norms.pow2(e, jnp.float32)
+    return up * jnp.hypot(jnp.sqrt(alpha) * (std * down), jnp.sqrt(1 - alpha) * (d * down))
 
 
 def _zclip_std(state: ZClipState) -> Array:
@@ -766,8 +777,10 @@ def zclip(
             if clip_option == "mean":
                 limit = state.mean
             else:
+                # std * (z_thresh / z) first: z_thresh**2 * std overflows near float32's
+                # top, where the limit itself (below the norm) does not.
                 safe_z = jnp.where(spike, z, 1.0)
-                limit = clip_factor * (state.mean + z_thresh**2 * std / safe_z)
+                limit = clip_factor * (state.mean + std * (z_thresh / safe_z) * z_thresh)
         spike = ~warming & spike
         adaptive = jnp.where(spike, limit, norm)
         threshold = jnp.minimum(adaptive, cap)
@@ -781,8 +794,7 @@ def zclip(
         ready = warming & finite & (state.finite_count + 1 == warmup_steps)
         mean0, std0 = _moments(warmup, jnp.asarray(warmup_steps, warmup.dtype), ddof=0)
         mean1 = alpha * state.mean + (1 - alpha) * adaptive
-        # sqrt(alpha var + (1 - alpha) (n' - mean)**2) without squaring the norms.
-        std1 = jnp.hypot(jnp.sqrt(alpha) * std, jnp.sqrt(1 - alpha) * (adaptive - mean1))
+        std1 = _ema_std(std, adaptive - mean1, alpha)
         tracking = ~warming & finite
         if skip_update_on_spike:
             tracking = tracking & ~spike
@@ -792,8 +804,9 @@ def zclip(
         # float32 state whatever the hyperparameters' dtype (NumPy float64 under x64):
         # scan carries need init's dtypes.
         mean, std, threshold = (v.astype(jnp.float32) for v in (mean, std, threshold))
-        var = jnp.square(std)
-        return clipped, ZClipState(mean, var, warmup, count, threshold, norm, std)
+        # A state built without std (six fields) stays so: loop carries keep their structure.
+        kept = None if state.std is None else std
+        return clipped, ZClipState(mean, jnp.square(std), warmup, count, threshold, norm, kept)
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 

@@ -164,7 +164,9 @@ def test_zclip_scripted(max_norm):
 
 
 @pytest.mark.parametrize("mode", ["zscore", "percentile"])
-@pytest.mark.parametrize(("scale", "eps"), [(1.0, 0.0), (1e25, 0.0), (1e-25, 0.0), (1e25, 1e-6)])
+@pytest.mark.parametrize(
+    ("scale", "eps"), [(1.0, 0.0), (1e25, 0.0), (1e-25, 0.0), (1e-34, 0.0), (1e25, 1e-6)]
+)
 def test_zclip_at_any_magnitude(scale, eps, mode):
     # Norms of 1e25 and 1e-25 scale, whose float32 squares overflow or underflow: the
     # spikes are found and clipped as in float64 (a variance held as float32 squares
@@ -198,6 +200,34 @@ def test_zclip_at_the_top_of_float32():
     assert expected[4] < 2.3e38  # the spike is clipped
     got = np.array([(float(s.mean), float(s.std)) for s in states[2:]])
     np.testing.assert_allclose(got, stats, rtol=2e-6)
+
+
+def test_zclip_clips_a_spike_near_float32s_largest():
+    # Warm-up mean 5.75e37, std 8.2e37; 3.4e38 has z = 3.43 > 2.5: its limit (2.07e38, below
+    # the norm) must not pass through z_thresh**2 * std = 5.1e38 (inf in float32).
+    norms = [1e37, 1e37, 1e37, 2e38, 3.4e38]
+    tx = jaxclip.zclip(0.97, 2.5, None, 1e-6, 4)
+    outs, _ = _run(tx, norms)
+    want = _zclip_reference(np.float32(norms).astype(float), 0.97, 2.5, 4, None, 1e-6)
+    np.testing.assert_allclose(outs, want, rtol=2e-6)
+    assert want[-1] < 2.1e38
+
+
+def test_zclip_six_field_state_as_a_scan_carry():
+    # A state built without std (the six fields) keeps that structure through update, so
+    # it can be a lax.scan carry; its statistics follow sqrt(var).
+    tx = jaxclip.zclip(0.9, 2.0, None, 0.0, 3)
+    norms = jnp.array([n for n in NORMS if np.isfinite(n)], jnp.float32)
+
+    def step(state, n):
+        out, state = tx.update(_grads(n), state)
+        return state, jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(out)))
+
+    six = jaxclip.ZClipState(*tx.init(_grads(1.0))[:6])
+    state, got = jax.lax.scan(step, six, norms)
+    assert state.std is None
+    expected = _zclip_reference(list(np.asarray(norms, np.float64)), 0.9, 2.0, 3, None, 0.0)
+    np.testing.assert_allclose(got, expected, rtol=2e-6)
 
 
 def test_zclip_state_through_warmup():
@@ -239,7 +269,8 @@ def test_zclip_from_given_statistics(mode, clip_option, skip, want_norm, want_me
     out, state = jax.jit(tx.update)(_grads(3.0), state)
     np.testing.assert_allclose(float(ref.norm(jax.tree.leaves(out), 2.0)), want_norm, rtol=1e-6)
     np.testing.assert_allclose(float(state.mean), want_mean, rtol=1e-6)
-    np.testing.assert_allclose(float(state.var), float(state.std) ** 2, rtol=1e-6)
+    if build == "replace":  # six fields stay six (std None)
+        np.testing.assert_allclose(float(state.var), float(state.std) ** 2, rtol=1e-6)
 
 
 def test_zclip_warmup_mean_is_correctly_rounded():

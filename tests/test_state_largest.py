@@ -216,3 +216,20 @@ def test_the_state_carries_no_derivative():
         )
         for k, t in tangents.items():
             assert float(t) == 0.0, (axes, k)
+
+
+@pytest.mark.parametrize("axes", [-1, 0, None])
+def test_a_tiny_leaf_among_stacked_leaves_keeps_its_exact_largest_norm(axes):
+    # Twelve small leaves stacked into one group, one of them all 1e-30 (its squares
+    # underflow to 0) and one all zero, beside normal ones: the tiny leaf's state is its
+    # float64 largest norm, not 0 (its unit is read again though the others are in range).
+    rng = np.random.default_rng(11)
+    tree = {f"w{i:02d}": rng.normal(size=(6, 5)).astype(np.float32) for i in range(12)}
+    tree["w03"] = (tree["w03"] * 1e-30).astype(np.float32)
+    tree["w07"] = np.zeros((6, 5), np.float32)
+    tx = jaxclip.clip_by_norm(1.0, axes=axes)
+    _, state = jax.jit(tx.update)(tree, tx.init(tree))
+    for k, x in tree.items():
+        a = tuple(range(x.ndim)) if axes is None else axes
+        want = np.max(np.sqrt(np.sum(np.square(x.astype(np.float64)), axis=a)))
+        np.testing.assert_allclose(float(state.norms[k]), want, rtol=RTOL, err_msg=k)
