@@ -77,6 +77,24 @@ class AdaptiveClipTest(chex.TestCase):
             np.testing.assert_allclose(out[k], theirs[k], rtol=2e-6, atol=1e-9)
 
 
+def test_adaptive_clip_of_an_overflowing_unit_among_stacked_leaves():
+    # Twelve small kernels stacked into one group; one unit's gradient squares overflow
+    # float32 (1e25) and another's underflow (1e-30): each is clipped to its own limit as
+    # in float64, not zeroed (an overflowed plain norm would give a factor of 0) nor kept.
+    rng = np.random.default_rng(2)
+    params = {f"w{i:02d}": rng.normal(size=(6, 5)).astype(np.float32) for i in range(12)}
+    grads = {k: rng.normal(size=(6, 5)).astype(np.float32) for k in params}
+    grads["w04"][:, 2] *= np.float32(1e25)
+    grads["w09"][:, 1] *= np.float32(1e-30)
+    tx = jaxclip.adaptive_clip(0.01, 1e-3)
+    out, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    for k in params:
+        want = _agc_reference(grads[k], params[k], 0.01, 1e-3)
+        np.testing.assert_allclose(
+            np.asarray(out[k], np.float64), want, rtol=1e-5, atol=0, err_msg=k
+        )
+
+
 def test_adaptive_clip_needs_params_and_axes_override():
     tx = jaxclip.adaptive_clip(0.1)
     with pytest.raises(ValueError, match="needs the parameters"):
