@@ -426,6 +426,13 @@ def _quantile(history: Array, count: Array, q: Any) -> Array:
     return jnp.nanquantile(history, q, axis=-1)  # linear, as torch.quantile
 
 
+def _scale_exponent(top: Array) -> Array:
+    """``e`` with ``top * 2**-e`` in [0.5, 4) (0 for ``top = 0``), kept where ``2**e`` and
+    ``2**-e`` are normal (XLA:CPU flushes subnormals)."""
+    info = np.finfo(top.dtype)
+    return jnp.where(top > 0, jnp.clip(_norms.frexp(top)[1], info.minexp + 2, info.maxexp - 2), 0)
+
+
 def _moments(history: Array, n: Array, ddof: int) -> tuple[Array, Array]:
     """Mean and std (divisor ``n - ddof``) of the ``n`` non-NaN entries along the last
     axis, at any magnitude.
@@ -437,8 +444,7 @@ def _moments(history: Array, n: Array, ddof: int) -> tuple[Array, Array]:
     subnormals), so the largest entry is scaled to at most 4.
     """
     top = jnp.max(jnp.where(jnp.isnan(history), 0, history), axis=-1, keepdims=True)
-    info = np.finfo(history.dtype)
-    e = jnp.where(top > 0, jnp.clip(_norms.frexp(top)[1], info.minexp + 2, info.maxexp - 2), 0)
+    e = _scale_exponent(top)
     u = history * _norms.pow2(-e, history.dtype)
     mu = jnp.nanmean(u, axis=-1, keepdims=True)
     d = u - mu
@@ -621,9 +627,7 @@ def _ema_std(std: Array, d: Array, alpha: Any) -> Array:
     """``sqrt(alpha std**2 + (1 - alpha) d**2)`` without squaring: a hypot of the terms
     scaled by a power of two near the larger, so that neither they nor their products
     leave float32's normal range at any magnitude."""
-    info = np.finfo(np.float32)
-    top = jnp.maximum(std, jnp.abs(d)).astype(jnp.float32)
-    e = jnp.where(top > 0, jnp.clip(_norms.frexp(top)[1], info.minexp + 2, info.maxexp - 2), 0)
+    e = _scale_exponent(jnp.maximum(std, jnp.abs(d)).astype(jnp.float32))
     down, up = _norms.pow2(-e, jnp.float32), _norms.pow2(e, jnp.float32)
     return up * jnp.hypot(jnp.sqrt(alpha) * (std * down), jnp.sqrt(1 - alpha) * (d * down))
 
