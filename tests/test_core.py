@@ -393,8 +393,16 @@ def test_derivatives_match_the_formula():
     np.testing.assert_allclose(
         ref.f64(jac), (np.eye(2) - np.outer(u, u)) / 5.0, rtol=2e-6, atol=1e-7
     )
-    dc = jax.grad(lambda c: clip.clip_joint([jnp.asarray(x)], jnp.float32(5.0), c)[0].sum())(1.0)
-    assert float(dc) == pytest.approx(7.0 / 5.0, rel=1e-6)
+    def dc(c: float) -> float:
+        return float(
+            jax.grad(lambda c: clip.clip_joint([jnp.asarray(x)], jnp.float32(5.0), c)[0].sum())(c)
+        )
+
+    assert dc(1.0) == pytest.approx(7.0 / 5.0, rel=1e-6)  # sum(x) / n
+    # A clip norm of 0 scales by c / n from the right (optax's formula there); below 0 it is
+    # held at 0 ("updates of norm 0"), a constant in c.
+    assert dc(0.0) == pytest.approx(7.0 / 5.0, rel=1e-6)
+    assert dc(-1.0) == 0.0
 
 
 def test_vmap_matches_each_example():

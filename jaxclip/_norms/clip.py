@@ -204,11 +204,9 @@ def clip_joint(xs: Sequence[Array], norm: Norm | Array, clip_norm: Any) -> list[
 
 
 @jax.jit
-def clip_each(xs: Sequence[Array], norms: Sequence[Norm], clip_norms: Any) -> list[Array]:
+def clip_each(xs: Sequence[Array], norms: Sequence[Norm], clip_norms: Sequence[Any]) -> list[Array]:
     """Each array of ``xs`` scaled by its own norm (per slice) to at most its clip norm
-    (one for all, or one per array)."""
-    if not isinstance(clip_norms, (list, tuple)):
-        clip_norms = [clip_norms] * len(xs)
+    (one per array: a scalar or one per slice)."""
     if not xs:
         return []
     cs = [
