@@ -393,6 +393,7 @@ def test_derivatives_match_the_formula():
     np.testing.assert_allclose(
         ref.f64(jac), (np.eye(2) - np.outer(u, u)) / 5.0, rtol=2e-6, atol=1e-7
     )
+
     def dc(c: float) -> float:
         return float(
             jax.grad(lambda c: clip.clip_joint([jnp.asarray(x)], jnp.float32(5.0), c)[0].sum())(c)
