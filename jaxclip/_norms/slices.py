@@ -255,6 +255,14 @@ def _segments(sums: _Sums, members: Sequence[int], report: str) -> _Segments:
     )
 
 
+def _largest_code(s: Array, ok: Array, fine: Array) -> Array:
+    """Per plain sum, for each leaf's largest norm: 2 where the floored norms need a second
+    read (out of range, and not small under a fine floor), else 1 for a large slice (at
+    least 4 lo, above any small slice's norm), else 0."""
+    need = ~ok & ~(_low(s) & fine)
+    return jnp.where(need, 2.0, jnp.where(s >= 4 * exact_lo(s.dtype), 1.0, 0.0))
+
+
 def _group_settled(sums: _Sums, g: int, ok: Array, fine: Array, report: str) -> Array:
     """Per unit of stacked group ``g`` (flags ``ok``), positive where :func:`_settled`:
     one segment maximum of a code per slice, one segment minimum per unit."""
@@ -265,9 +273,8 @@ def _group_settled(sums: _Sums, g: int, ok: Array, fine: Array, report: str) -> 
         code = jnp.where(ok | (_low(s) & fine), 0.0, 1.0)
     elif seg.in_range.all():
         code = in_range
-    else:  # 2: floored needs it; 1: a large slice
-        need = ~ok & ~(_low(s) & fine)
-        code = jnp.where(need, 2.0, jnp.where(s >= 4 * exact_lo(s.dtype), 1.0, 0.0))
+    else:
+        code = _largest_code(s, ok, fine)
         code = jnp.where(seg.in_range, in_range, code) if seg.in_range.any() else code
     top = jax.ops.segment_max(
         code.astype(jnp.float32), seg.ids, len(seg.targets), indices_are_sorted=True
@@ -292,8 +299,7 @@ def _settled(sums: _Sums, u: int, ok: Array, fine: Array, report: str) -> Array:
         return every(ok | (_low(s) & fine))
     if not s.size:
         return jnp.ones((), bool)
-    floored_need = ~ok & ~(_low(s) & fine)
-    code = jnp.where(floored_need, 2.0, jnp.where(s >= 4 * exact_lo(s.dtype), 1.0, 0.0))
+    code = _largest_code(s, ok, fine)
     if isinstance(kind, tuple):  # a bucket of slices: per leaf, its rows' largest code
         rows = code.reshape(sums.batch, -1).T  # (slices, examples)
         leaf = np.repeat(np.arange(len(kind)), kind)
