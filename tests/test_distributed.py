@@ -117,6 +117,44 @@ def test_clip_by_norm_axes_over_a_sharded_axis_is_per_slice():
         np.testing.assert_allclose(out[k], ref.clip_each(host[k], 1.0, axes=(0,)), rtol=2e-6)
 
 
+NONFINITE_PS = (1.0, 3.0, 0.5, 2.0, math.inf)
+
+
+def _nonfinite_norms(g: dict[str, jax.Array]) -> tuple:
+    """Global norms for every p, per-column L1 norms of ``both`` and the clipped tree."""
+    norms = [jaxclip.global_norm(g, norm_type=p) for p in NONFINITE_PS]
+    _, cols = jaxclip.clip_tree_by_norm({"both": g["both"]}, 1.0, axes=0, norm_type=1.0)
+    clipped, _ = jaxclip.clip_tree_by_global_norm(g, 1.0, norm_type=1.0)
+    return norms, cols["both"], clipped
+
+
+_nonfinite_jit = jax.jit(_nonfinite_norms)
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_nan_in_a_split_leaf_beside_an_inf_stays_nan(kind):
+    """XLA's cross-device float max can drop a NaN. The rare path of p != 2 starts from
+    the maximum, so a NaN in a leaf split over "model" beside an inf elsewhere gave an inf
+    norm, and the clipped tree came out zeroed. Expected values are float64 NumPy sums."""
+    host = _grads()
+    host["both"][1, 3] = np.nan  # data shard 0, model shard 0 ...
+    host["both"][6, 3] = np.inf  # ... and an inf in the same column on data shard 1
+    host["both"][5, 9] = -np.inf  # a column with an inf alone
+    host["small_replicated"][2] = np.inf
+    mesh = _mesh(kind)
+    with jax.set_mesh(mesh):
+        norms, cols, clipped = _nonfinite_jit(_place(host, mesh))
+    for p, n in zip(NONFINITE_PS, norms):
+        assert np.isnan(n), (p, n)
+    a = np.abs(host["both"].astype(np.float64))
+    want = np.sum(a, axis=0)  # NaN in column 3, inf in column 9, finite elsewhere
+    np.testing.assert_allclose(np.asarray(cols, np.float64), want, rtol=2e-6)
+    cols = np.asarray(cols)
+    assert np.isnan(cols[3]) and cols[9] == np.inf
+    for k, v in clipped.items():
+        assert np.isnan(np.asarray(v)).all(), k  # c / NaN scales every element to NaN
+
+
 def test_float16_rows_of_a_sharded_leaf_are_summed_in_place():
     """Float16 row sums loop over chunks of rows on one device only: a dynamic slice of a
     leaf split across devices would make XLA gather it."""

@@ -27,7 +27,14 @@ from jaxclip._norms.arith import (
     special,
     where_norm,
 )
-from jaxclip._norms.backend import Axes, Elem, reduce, variadic_sum
+from jaxclip._norms.backend import (
+    Axes,
+    Elem,
+    from_magnitude_bits,
+    magnitude_bits,
+    reduce,
+    variadic_sum,
+)
 from jaxclip._norms.devices import one_device
 
 Array = jax.Array
@@ -42,30 +49,23 @@ def power_sum(x: Array, p: float, axes: Axes, fused: bool) -> Array:
 
 
 def max_abs(x: Array, axes: Axes, acc: np.dtype, fused: bool, parts: bool = False) -> Array:
-    """``max |x|``; with ``parts``, of a complex ``x`` its largest real or imaginary part
-    instead, for the rare path's shift: finite wherever the parts are (``|x|`` overflows
-    beyond the dtype's largest value) and within a factor ``sqrt(2)`` of ``max |x|``."""
+    """``max |x|`` (keepdims), NaN where ``x`` holds one; with ``parts``, of a complex
+    ``x`` its largest real or imaginary part instead, for the rare path's shift: finite
+    wherever the parts are (``|x|`` overflows beyond the dtype's largest value) and within
+    a factor ``sqrt(2)`` of ``max |x|``."""
     if x.size == 0:
         shape = tuple(1 if (axes is None or i in axes) else d for i, d in enumerate(x.shape))
         return jnp.zeros(shape, acc)
+    elem: Elem = lambda v, _: magnitude(v, acc)  # noqa: E731
     if parts and jnp.iscomplexobj(x):
-        return reduce(
-            x,
-            lambda v, _: jnp.maximum(magnitude(v.real, acc), magnitude(v.imag, acc)),
-            axes,
-            "max",
-            fused,
-        )
-    return reduce(x, lambda v, _: magnitude(v, acc), axes, "max", fused)
-
-
-def inf_norm(x: Array, axes: Axes, acc: np.dtype, fused: bool) -> Array:
-    """``max |x|`` for ``p=inf``, NaN where ``x`` holds one (a sharded ``x`` is reduced by
-    XLA's library max, which may drop it)."""
-    m = max_abs(x, axes, acc, fused)
+        elem = lambda v, _: jnp.maximum(magnitude(v.real, acc), magnitude(v.imag, acc))  # noqa: E731
     if one_device(x):
-        return m
-    return jnp.where(jnp.any(jnp.isnan(x), axis=axes, keepdims=True), jnp.nan, m)
+        return reduce(x, elem, axes, "max", fused)
+    # A sharded x is reduced across devices by XLA's float max, which can drop a NaN;
+    # the maximum of the magnitudes' bits keeps it.
+    dims = tuple(range(x.ndim)) if axes is None else axes
+    top = jnp.max(magnitude_bits(elem(x, None)), axis=dims, keepdims=True)
+    return from_magnitude_bits(top, acc)
 
 
 def inf_norms(
@@ -74,11 +74,11 @@ def inf_norms(
     """``max |x|`` of each array, and, where one is complex, also ``max |x / 2|`` of each
     (parts halved before the modulus: finite where the parts are, when ``|x|`` itself
     overflows), for :func:`inf_result`; None for real arrays only."""
-    ms = [inf_norm(x, a, acc_dtype(x.dtype), f) for x, a, f in zip(xs, axes, fused)]
+    ms = [max_abs(x, a, acc_dtype(x.dtype), f) for x, a, f in zip(xs, axes, fused)]
     if not any(jnp.iscomplexobj(x) for x in xs):
         return ms, None
     halves = [
-        inf_norm(halved(x), a, acc_dtype(x.dtype), f) if jnp.iscomplexobj(x) else m * 0.5
+        max_abs(halved(x), a, acc_dtype(x.dtype), f) if jnp.iscomplexobj(x) else m * 0.5
         for x, a, f, m in zip(xs, axes, fused, ms)
     ]
     return ms, halves
