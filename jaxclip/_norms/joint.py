@@ -176,7 +176,10 @@ def _batchable_joint_norm(
     def batched(size: int, units: tuple[Array, ...], _: None) -> Norm:
         return joint_norm_body(units, p, bucketed, combines, 1)
 
-    return batchable(lambda units, _: joint_norm_body(units, p, bucketed, combines, 0), batched)
+    def joint_norm(units: tuple[Array, ...], _: None) -> Norm:  # the name profiles show
+        return joint_norm_body(units, p, bucketed, combines, 0)
+
+    return batchable(joint_norm, batched)
 
 
 joint_norm = jax.custom_jvp(_joint_norm_impl, nondiff_argnums=(1, 2, 3, 4))

@@ -433,7 +433,10 @@ def _batchable_unit_norms(
             units, floor, p, shifted, bucketed, combines, static_split, report, size
         )
 
-    return batchable(lambda units, floor: unit_norms_body(units, floor, *args), batched)
+    def slice_norms(units: tuple[Array, ...], floor: Array | None) -> Any:  # profiles' name
+        return unit_norms_body(units, floor, *args)
+
+    return batchable(slice_norms, batched)
 
 
 unit_norms = jax.custom_jvp(_unit_norms_impl, nondiff_argnums=(2, 3, 4, 5, 6, 7))
