@@ -276,6 +276,27 @@ def test_complex_leaves_beyond_float32():
         want = ref.norm([z], p)
         got = _norms.global_norm_parts([jnp.asarray(z)], p)
         _check(ref.f64(got.frac) * 2.0 ** ref.f64(got.exp), want, 2e-6, f"complex p={p}")
+    # Beside a real leaf whose largest value is above the complex one's largest part
+    # (3.2e38 > 2.5e38) but below its modulus: the real leaf's half is its max halved.
+    r = np.array([3.2e38, -1.0], np.float32)
+    got = _norms.global_norm_parts([jnp.asarray(z), jnp.asarray(r)], math.inf)
+    want = ref.norm([z, r], math.inf)
+    _check(ref.f64(got.frac) * 2.0 ** ref.f64(got.exp), want, 2e-6, "complex and real p=inf")
+
+
+def test_empty_leaves_in_the_rare_path():
+    """Empty leaves and empty slices beside leaves whose sums leave the exact range: the
+    maxima that shift the second read are 0 for them, of the reduced shape."""
+    big = np.array([3e30, -2.0], np.float32)  # sums overflow for p >= 2, underflow never
+    for p in (0.5, 1.0, 3.0, math.inf):
+        got = _norms.global_norm_parts([jnp.zeros((0, 3)), jnp.asarray(big)], p)
+        _check(ref.f64(got.frac) * 2.0 ** ref.f64(got.exp), ref.norm([big], p), 2e-6, f"p={p}")
+        # All-zero and empty slices: plain sums of 0 take the rare path.
+        for shape, axes, kept in (((0, 4), (0,), (1, 4)), ((4, 0), (1,), (4, 1))):
+            n = _norms.slice_norms([jnp.zeros(shape), jnp.asarray(big)], p, (axes, None))
+            assert n[0].value.shape == kept, (p, shape)
+            np.testing.assert_array_equal(n[0].value, np.zeros(kept))
+            _check(float(n[1].value.reshape(())), ref.norm([big], p), 2e-6, f"beside p={p}")
 
 
 def test_nonfinite_and_zero():
