@@ -155,6 +155,33 @@ def test_nan_in_a_split_leaf_beside_an_inf_stays_nan(kind):
         assert np.isnan(np.asarray(v)).all(), k  # c / NaN scales every element to NaN
 
 
+AGC_SHAPES = {"a": (8, 16), "b": (16, 8), "c": (8, 4), "e": (4, 4)}
+AGC_GRADS = {"a": P(None, "model"), "b": P(), "c": P("data", None), "e": P()}
+AGC_PARAMS = {"a": P("model", None), "b": P("model", None), "c": P(), "e": P(None, "model")}
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_agc_with_params_placed_otherwise_than_gradients(kind):
+    """AGC's params may be sharded otherwise than its gradients (replicated params beside
+    row- or column-split gradients, as with ZeRO): the params' per-slice norms stacked
+    beside the gradients' came out raveled beside shaped ones and broadcast into a matrix
+    (a reshape error), or concatenated across placements (an Explicit mesh's type error)."""
+    rng = np.random.default_rng(1)
+    g = {k: rng.normal(size=s).astype(np.float32) for k, s in AGC_SHAPES.items()}
+    p = {k: rng.normal(size=s).astype(np.float32) for k, s in AGC_SHAPES.items()}
+    mesh = _mesh(kind)
+    gs = {k: jax.device_put(v, NamedSharding(mesh, AGC_GRADS[k])) for k, v in g.items()}
+    ps = {k: jax.device_put(v, NamedSharding(mesh, AGC_PARAMS[k])) for k, v in p.items()}
+    ps["e"] = jnp.asarray(p["e"])  # uncommitted, on one device
+    f = jax.jit(lambda a, b: [jaxclip.clip_tree_adaptive(a, b, 0.05, axes=x) for x in (1, 0)])
+    for axes, out in zip((1, 0), f(gs, ps)):
+        for k in AGC_SHAPES:  # float64: each unit scaled to 0.05 max(||param unit||, 1e-3)
+            pn = np.maximum(np.linalg.norm(p[k].astype(np.float64), axis=axes, keepdims=True), 1e-3)
+            gn = np.linalg.norm(g[k].astype(np.float64), axis=axes, keepdims=True)
+            want = g[k] * np.where(gn > 0.05 * pn, 0.05 * pn / gn, 1.0)
+            np.testing.assert_allclose(np.asarray(out[k], np.float64), want, rtol=2e-6, err_msg=k)
+
+
 def test_float16_rows_of_a_sharded_leaf_are_summed_in_place():
     """Float16 row sums loop over chunks of rows on one device only: a dynamic slice of a
     leaf split across devices would make XLA gather it."""

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxclip._norms.backend import (
     from_magnitude_bits,
@@ -84,21 +85,33 @@ def groups_of(first: Sequence[Array]) -> Groups:
 
 def stack(groups: Groups, *lists: Sequence[Array]) -> list[list[Array]]:
     """Per group, each list's arrays raveled and concatenated; an array alone in its
-    group as it is where it is sharded (on an Explicit mesh, raveling one split over
-    several axes is an error; the maths on it is elementwise)."""
-    return [
-        [
-            jnp.concatenate([jnp.ravel(arrays[i]) for i in members])
-            if len(members) > 1
-            else _alone(arrays[members[0]])
-            for arrays in lists
-        ]
-        for members in groups
-    ]
+    group as it is where the first list's is sharded (on an Explicit mesh, raveling one
+    split over several axes is an error; the maths on it is elementwise). One decision
+    per group for every list: the others' arrays may be placed otherwise (AGC's params
+    replicated beside sharded gradients), and a raveled vector beside a shaped one
+    would broadcast into a matrix."""
+    out = []
+    for members in groups:
+        if len(members) > 1:
+            parts = [[_placed(a[i], PartitionSpec()) for i in members] for a in lists]
+            out.append([jnp.concatenate([jnp.ravel(v) for v in vs]) for vs in parts])
+        else:
+            first = lists[0][members[0]]
+            flat = one_device(first)
+            spec = PartitionSpec() if flat else getattr(jax.typeof(first).sharding, "spec", None)
+            vs = [_placed(a[members[0]], spec) for a in lists]
+            out.append([jnp.ravel(v) if flat else v for v in vs])
+    return out
 
 
-def _alone(v: Array) -> Array:
-    return jnp.ravel(v) if one_device(v) else v
+def _placed(v: Array, spec: PartitionSpec | None) -> Array:
+    """``v`` resharded to ``spec`` where an Explicit mesh types it otherwise: a group's
+    maths is elementwise (or a concatenation) over operands of one placement."""
+    sharding = jax.typeof(v).sharding
+    kinds = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    if spec is None or AxisType.Explicit not in kinds or getattr(sharding, "spec", None) == spec:
+        return v
+    return jax.sharding.reshard(v, NamedSharding(sharding.mesh, spec))
 
 
 Piece = tuple[int, int, int, Shape, bool]  # group, offset, size, shape, whether sliced
