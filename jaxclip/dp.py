@@ -544,6 +544,18 @@ def adaptive_clip_per_example(
         count_std = clipped_count_stddev
         if count_std is None:
             count_std = expected / 20 if noisy_sum else 0.0
+        untracked = per_example.untracked_batch_axes()
+        noised = not isinstance(count_std, (int, float)) or count_std > 0
+        if untracked and (expected_num_records is not None or noised):
+            # Every mapped axis counts: exact for the count over its own expected size,
+            # not for a given expected size or noise (axes with the same examples).
+            raise ValueError(
+                f"jaxclip.{fn}: under pmap or shard_map(check_vma=False) (axes {untracked}) "
+                "jaxclip cannot tell which devices hold different examples, so it cannot "
+                "count the unclipped examples against expected_num_records or noise the "
+                "count once. Use shard_map's default check_vma=True, or leave "
+                "expected_num_records=None and set clipped_count_stddev=0."
+            )
         fraction = _noised_unclipped_fraction(norms, c, valid, count_std, expected, k_count, split)
         new_c = _next_clip_norm(
             c, fraction, target_unclipped_quantile, learning_rate, geometric_update

@@ -440,8 +440,21 @@ def _device_noise(key: Array, x: Array, axis_name: _norms.LeafAxes, path: str) -
 
 def batch_device_axes(v: Array) -> tuple[str, ...]:
     """Inside ``shard_map``, the axes that split the batch, for a statistic of this
-    device's examples (the axes it varies across); none where JAX does not track them."""
-    return tuple(sorted(_norms.varying(v))) if _norms.vma_tracked() else ()
+    device's examples (the axes it varies across). Where JAX does not track them (``pmap``,
+    ``check_vma=False``), every mapped axis: a statistic over equal shares of the batch,
+    averaged or counted over axes that hold the same examples, is unchanged (a count with
+    its expected size scaled alike); see :func:`untracked_batch_axes`."""
+    if _norms.vma_tracked():
+        return tuple(sorted(_norms.varying(v)))
+    return untracked_batch_axes()
+
+
+def untracked_batch_axes() -> tuple[str, ...]:
+    """Every mapped axis in scope where JAX does not track which hold different examples
+    (none where it does, or outside ``shard_map`` and ``pmap``)."""
+    if _norms.vma_tracked():
+        return ()
+    return tuple(jax.sharding.get_abstract_mesh().manual_axes)
 
 
 def _mean_over_batch_devices(v: Array) -> Array:

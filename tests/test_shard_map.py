@@ -226,6 +226,44 @@ def test_check_vma_false_needs_axis_name_as_before():
     )
 
 
+def test_state_of_split_slices_is_the_leafs_largest_without_vma_tracking():
+    """Under ``check_vma=False`` and ``pmap`` with a tree of axis names, ``clip_by_norm``'s
+    state (each leaf's largest slice norm) of a leaf whose kept dimension is split is the
+    leaf's largest on every device, as on one device: each device held its own rows'."""
+    x = (np.arange(16 * 8, dtype=np.float32).reshape(16, 8) - 60) / 50
+    want = {a: float(np.max(np.linalg.norm(x.astype(np.float64), axis=a))) for a in (1, 0)}
+    txs = {a: jaxclip.clip_by_norm(1.0, axes=a, axis_name={"w": ()}) for a in (1, 0)}
+    states = {a: tx.init({"w": x}) for a, tx in txs.items()}
+
+    def body(rows, cols):  # rows: (4, 8) of a row split; cols: (16, 2) of a column split
+        return jnp.stack(
+            [
+                txs[1].update({"w": rows}, states[1])[1].norms["w"],
+                txs[0].update({"w": cols}, states[0])[1].norms["w"],
+            ]
+        )
+
+    mesh = jax.make_mesh(
+        (4,), ("model",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4]
+    )
+    f = jax.jit(
+        jax.shard_map(
+            lambda r, c: body(r, c)[None],
+            mesh=mesh,
+            in_specs=(P("model", None), P(None, "model")),
+            out_specs=P("model"),
+            check_vma=False,
+        )
+    )
+    put = lambda spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    got = {"shard_map": np.asarray(f(put(P("model", None)), put(P(None, "model"))))}
+    cols = np.stack(np.split(x, 4, axis=1))
+    got["pmap"] = np.asarray(jax.pmap(body, axis_name="i")(x.reshape(4, 4, 8), cols))
+    for mode, g in got.items():
+        np.testing.assert_allclose(g[:, 0], want[1], rtol=2e-6, err_msg=mode)
+        np.testing.assert_allclose(g[:, 1], want[0], rtol=2e-6, err_msg=mode)
+
+
 def test_wrong_axis_name_and_ambiguous_slices_are_clear_errors():
     mesh = _mesh()
     host = _host()
@@ -406,6 +444,48 @@ def test_dp_noise_with_check_vma_false_is_refused():
     )
     with pytest.raises(ValueError, match=r"check_vma=False.*Use shard_map's default"):
         jax.jit(f)(jax.device_put(np.zeros((16, 4), np.float32), NamedSharding(mesh, P("data"))))
+
+
+def test_per_example_states_over_untracked_data_parallel_devices():
+    """Under ``pmap`` and ``shard_map(check_vma=False)`` the states that count the batch
+    (adaptive_clip_per_example's clip norm, clip_per_example's clipped fraction) are those
+    of the whole batch on every device; each device counted its own examples. A count
+    against a given expected size, which axes holding the same examples would inflate,
+    is refused."""
+    rng = np.random.default_rng(0)
+    scale = np.repeat([0.1, 0.1, 5.0, 5.0], 4)[:, None]  # devices 0, 1 small; 2, 3 large
+    g = (rng.normal(size=(16, 6)) * scale).astype(np.float32)
+    ada = jaxclip.adaptive_clip_per_example(1.0, reduce="sum", axis_name=())
+    frac = jaxclip.clip_per_example(1.0, reduce="sum", axis_name=())
+    s_ada, s_frac = ada.init({"w": g[0]}), frac.init({"w": g[0]})
+
+    def body(x):
+        c = ada.update({"w": x}, s_ada)[1].clip_norm
+        f = frac.update({"w": x}, s_frac)[1].clipped_fraction
+        return jnp.stack([c, jnp.ravel(jnp.asarray(jax.tree.leaves(f)[0]))[0]])
+
+    want = np.asarray(body(jnp.asarray(g)))
+    # Half of the examples are at or below the clip norm 1: the fraction is the target.
+    np.testing.assert_allclose(want, [1.0, 0.5], rtol=1e-6)
+    got = {"pmap": np.asarray(jax.pmap(body, axis_name="i")(g.reshape(4, 4, 6)))}
+    mesh = jax.make_mesh(
+        (4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4]
+    )
+    f = jax.shard_map(
+        lambda x: body(x)[None], mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False
+    )
+    got["check_vma=False"] = np.asarray(
+        jax.jit(f)(jax.device_put(g, NamedSharding(mesh, P("data"))))
+    )
+    for mode, v in got.items():
+        np.testing.assert_allclose(v, np.broadcast_to(want, v.shape), rtol=1e-6, err_msg=mode)
+    sized = jaxclip.adaptive_clip_per_example(
+        1.0, reduce="sum", axis_name=(), expected_num_records=16
+    )
+    with pytest.raises(ValueError, match=r"cannot tell which devices hold different examples"):
+        jax.pmap(lambda x: sized.update({"w": x}, s_ada)[1].clip_norm, axis_name="i")(
+            g.reshape(4, 4, 6)
+        )
 
 
 @pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)

@@ -248,7 +248,9 @@ def kept_axes(
     largest norm) differ across them, and a ``pmax`` over them makes them replicated.
 
     Tracked: the axes ``x`` varies across that its norms were not combined over. Under
-    ``pmap`` or ``check_vma=False`` only a ``PartitionSpec`` says which axes these are.
+    ``pmap`` or ``check_vma=False`` a ``PartitionSpec`` says which axes these are; without
+    one, every mapped axis the norms were not combined over: across the others a maximum
+    of equal values is that value, so it is right whichever split the kept dimensions.
     """
     if reduced is None or len(reduced) == x.ndim:
         return ()
@@ -257,7 +259,8 @@ def kept_axes(
     if isinstance(axis_name, PartitionSpec) and _mapped(axis_name, x.ndim):
         kept = [d for d in range(x.ndim) if d not in reduced]
         return tuple(n for n in _spec_names(axis_name, kept, x.ndim) if n not in combined)
-    return ()
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return tuple(n for n in manual if n not in combined)
 
 
 def has_unmapped(combines: Sequence[Combine]) -> bool:
