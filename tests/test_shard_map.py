@@ -232,7 +232,7 @@ def test_state_of_split_slices_is_the_leafs_largest_without_vma_tracking():
     leaf's largest on every device, as on one device: each device held its own rows'."""
     x = (np.arange(16 * 8, dtype=np.float32).reshape(16, 8) - 60) / 50
     want = {a: float(np.max(np.linalg.norm(x.astype(np.float64), axis=a))) for a in (1, 0)}
-    txs = {a: jaxclip.clip_by_norm(1.0, axes=a, axis_name={"w": ()}) for a in (1, 0)}
+    txs = {a: jaxclip.clip_by_norm(1.0, axes=a, axis_name={"w": ()}) for a in (1, 0, None)}
     states = {a: tx.init({"w": x}) for a, tx in txs.items()}
 
     def body(rows, cols):  # rows: (4, 8) of a row split; cols: (16, 2) of a column split
@@ -240,6 +240,8 @@ def test_state_of_split_slices_is_the_leafs_largest_without_vma_tracking():
             [
                 txs[1].update({"w": rows}, states[1])[1].norms["w"],
                 txs[0].update({"w": cols}, states[0])[1].norms["w"],
+                # A whole leaf with no axis to combine over: each device's own block.
+                txs[None].update({"w": rows}, states[None])[1].norms["w"],
             ]
         )
 
@@ -259,9 +261,11 @@ def test_state_of_split_slices_is_the_leafs_largest_without_vma_tracking():
     got = {"shard_map": np.asarray(f(put(P("model", None)), put(P(None, "model"))))}
     cols = np.stack(np.split(x, 4, axis=1))
     got["pmap"] = np.asarray(jax.pmap(body, axis_name="i")(x.reshape(4, 4, 8), cols))
+    own = np.linalg.norm(x.astype(np.float64).reshape(4, 32), axis=1)
     for mode, g in got.items():
         np.testing.assert_allclose(g[:, 0], want[1], rtol=2e-6, err_msg=mode)
         np.testing.assert_allclose(g[:, 1], want[0], rtol=2e-6, err_msg=mode)
+        np.testing.assert_allclose(g[:, 2], own, rtol=2e-6, err_msg=mode)
 
 
 def test_wrong_axis_name_and_ambiguous_slices_are_clear_errors():
