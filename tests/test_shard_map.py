@@ -486,10 +486,14 @@ def test_per_example_states_over_untracked_data_parallel_devices():
     sized = jaxclip.adaptive_clip_per_example(
         1.0, reduce="sum", axis_name=(), expected_num_records=16
     )
-    with pytest.raises(ValueError, match=r"cannot tell which devices hold different examples"):
-        jax.pmap(lambda x: sized.update({"w": x}, s_ada)[1].clip_norm, axis_name="i")(
-            g.reshape(4, 4, 6)
-        )
+    noised = jaxclip.adaptive_clip_per_example(
+        1.0, reduce="sum", axis_name=(), clipped_count_stddev=0.5
+    )
+    for tx in (sized, noised):
+        with pytest.raises(ValueError, match=r"cannot tell which devices hold different examples"):
+            jax.pmap(lambda x, tx=tx: tx.update({"w": x}, s_ada)[1].clip_norm, axis_name="i")(
+                g.reshape(4, 4, 6)
+            )
 
 
 @pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
