@@ -286,9 +286,9 @@ def test_complex_leaves_beyond_float32():
 
 def test_empty_leaves_in_the_rare_path():
     """Empty leaves and empty slices beside leaves whose sums leave the exact range: the
-    maxima that shift the second read are 0 for them, of the reduced shape."""
+    maxima that shift the second read (p != 2) are 0 for them, of the reduced shape."""
     big = np.array([3e30, -2.0], np.float32)  # sums overflow for p >= 2, underflow never
-    for p in (0.5, 1.0, 3.0, math.inf):
+    for p in (3.0, math.inf):  # the rare path's maxima, and the maxima themselves
         got = _norms.global_norm_parts([jnp.zeros((0, 3)), jnp.asarray(big)], p)
         _check(ref.f64(got.frac) * 2.0 ** ref.f64(got.exp), ref.norm([big], p), 2e-6, f"p={p}")
         # All-zero and empty slices: plain sums of 0 take the rare path.

@@ -131,7 +131,11 @@ def _nonfinite_norms(g: dict[str, jax.Array]) -> tuple:
 _nonfinite_jit = jax.jit(_nonfinite_norms)
 
 
-@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize(
+    "kind",
+    [AxisType.Auto, pytest.param(AxisType.Explicit, marks=pytest.mark.slow)],
+    ids=["auto", "explicit"],
+)
 def test_nan_in_a_split_leaf_beside_an_inf_stays_nan(kind):
     """XLA's cross-device float max can drop a NaN. The rare path of p != 2 starts from
     the maximum, so a NaN in a leaf split over "model" beside an inf elsewhere gave an inf
@@ -173,8 +177,8 @@ def test_agc_with_params_placed_otherwise_than_gradients(kind):
     gs = {k: jax.device_put(v, NamedSharding(mesh, AGC_GRADS[k])) for k, v in g.items()}
     ps = {k: jax.device_put(v, NamedSharding(mesh, AGC_PARAMS[k])) for k, v in p.items()}
     ps["e"] = jnp.asarray(p["e"])  # uncommitted, on one device
-    f = jax.jit(lambda a, b: [jaxclip.clip_tree_adaptive(a, b, 0.05, axes=x) for x in (1, 0)])
-    for axes, out in zip((1, 0), f(gs, ps)):
+    f = jax.jit(lambda a, b: [jaxclip.clip_tree_adaptive(a, b, 0.05, axes=1)])
+    for axes, out in zip((1,), f(gs, ps)):
         for k in AGC_SHAPES:  # float64: each unit scaled to 0.05 max(||param unit||, 1e-3)
             pn = np.maximum(np.linalg.norm(p[k].astype(np.float64), axis=axes, keepdims=True), 1e-3)
             gn = np.linalg.norm(g[k].astype(np.float64), axis=axes, keepdims=True)
