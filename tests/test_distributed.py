@@ -184,6 +184,34 @@ def test_agc_with_params_placed_otherwise_than_gradients(kind):
             gn = np.linalg.norm(g[k].astype(np.float64), axis=axes, keepdims=True)
             want = g[k] * np.where(gn > 0.05 * pn, 0.05 * pn / gn, 1.0)
             np.testing.assert_allclose(np.asarray(out[k], np.float64), want, rtol=2e-6, err_msg=k)
+    # The derivative, in gradients and params: its clip norms come placed as the params.
+    w = {k: rng.normal(size=s).astype(np.float32) for k, s in AGC_SHAPES.items()}
+
+    def loss(a, b):
+        out = jaxclip.clip_tree_adaptive(a, b, 0.05, axes=1)
+        return sum(jnp.sum(out[k] * w[k]) for k in AGC_SHAPES)
+
+    d = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    for got, want in zip(jax.tree.leaves(d(gs, ps)), jax.tree.leaves(d(g, p))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-7)
+
+
+def test_empty_leaf_split_on_an_explicit_mesh():
+    """An empty leaf split over an Explicit mesh axis: its slices' norms are 0 for every p
+    and its derivative is empty (the rare path's maxima were zeros placed nowhere, which a
+    conditional or a derivative rule typed apart from the leaf)."""
+    mesh = _mesh(AxisType.Explicit)
+    x = jax.device_put(jnp.zeros((0, 8), jnp.float32), NamedSharding(mesh, P(None, "model")))
+
+    def f(x):
+        return sum(
+            jnp.sum(jaxclip.clip_tree_by_norm(x, 1.0, axes=0, norm_type=p)[1])
+            for p in (1.0, 3.0, math.inf)
+        )
+
+    with jax.set_mesh(mesh):
+        assert float(jax.jit(f)(x)) == 0.0
+        assert jax.jit(jax.grad(f))(x).shape == (0, 8)
 
 
 def test_float16_rows_of_a_sharded_leaf_are_summed_in_place():

@@ -152,6 +152,11 @@ def _clipped_tangent(
     def wide(v: Array) -> Array:
         return v if jnp.iscomplexobj(v) else v.astype(acc)
 
+    # Each per-slice value broadcast as x is placed: the clip norms may come placed as
+    # another tree (AGC's params), which an Explicit mesh does not broadcast against x.
+    factor = Factor(*(spread(jnp.asarray(v), x) for v in factor))
+    n = Norm(spread(n.frac, x), spread(n.exp, x))
+    c, dfrac, dc = (spread(jnp.asarray(v), x) for v in (c, dfrac, dc))
     keep = factor.keep
     x_n = over_norm(wide(x), n)
     f0s = jnp.where(keep, 1, factor.f0).astype(acc)

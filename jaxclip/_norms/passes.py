@@ -53,18 +53,15 @@ def max_abs(x: Array, axes: Axes, acc: np.dtype, fused: bool, parts: bool = Fals
     ``x`` its largest real or imaginary part instead, for the rare path's shift: finite
     wherever the parts are (``|x|`` overflows beyond the dtype's largest value) and within
     a factor ``sqrt(2)`` of ``max |x|``."""
-    if x.size == 0:
-        shape = tuple(1 if (axes is None or i in axes) else d for i, d in enumerate(x.shape))
-        return jnp.zeros(shape, acc)
     elem: Elem = lambda v, _: magnitude(v, acc)  # noqa: E731
     if parts and jnp.iscomplexobj(x):
         elem = lambda v, _: jnp.maximum(magnitude(v.real, acc), magnitude(v.imag, acc))  # noqa: E731
-    if one_device(x):
+    if x.size and one_device(x):
         return reduce(x, elem, axes, "max", fused)
     # A sharded x is reduced across devices by XLA's float max, which can drop a NaN;
-    # the maximum of the magnitudes' bits keeps it.
+    # the maximum of the magnitudes' bits keeps it (and an empty x's 0 is placed as x).
     dims = tuple(range(x.ndim)) if axes is None else axes
-    top = jnp.max(magnitude_bits(elem(x, None)), axis=dims, keepdims=True)
+    top = jnp.max(magnitude_bits(elem(x, None)), axis=dims, keepdims=True, initial=0)
     return from_magnitude_bits(top, acc)
 
 
