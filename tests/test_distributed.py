@@ -196,6 +196,30 @@ def test_agc_with_params_placed_otherwise_than_gradients(kind):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-7)
 
 
+def test_sharded_maxima_keep_16_and_8_bit_leaves_in_their_width():
+    """The NaN-keeping maximum of a sharded leaf (the rare path's shift for p != 2, and
+    p = inf) reads its magnitudes' bits in the leaf's own width: a bfloat16 leaf widened
+    to float32 first was a temporary of twice its size (XLA's memory_analysis), and a
+    float8 leaf has bits of one byte."""
+    mesh = _mesh(AxisType.Auto)
+    x = jax.device_put(
+        jnp.ones((1024, 1024), jnp.bfloat16), NamedSharding(mesh, P("data", "model"))
+    )
+    block = x.nbytes // 8
+    for p in (1.0, math.inf):
+        f = jax.jit(lambda t, p=p: jaxclip.clip_tree_by_global_norm(t, 1.0, norm_type=p)[0])
+        assert f.lower(x).compile().memory_analysis().temp_size_in_bytes < block // 16, p
+    h = np.full((8, 16), 3.0, np.float32)
+    h[5, 9] = np.nan
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        y = jax.device_put(jnp.asarray(h, dtype), NamedSharding(mesh, P("data", "model")))
+        n = jax.jit(lambda t: [jaxclip.global_norm(t, norm_type=q) for q in (math.inf, 1.0)])(y)
+        assert all(np.isnan(float(v)) for v in n), dtype
+        y = jax.device_put(jnp.asarray(np.nan_to_num(h, nan=-2.0), dtype), y.sharding)
+        n = jax.jit(lambda t: jaxclip.global_norm(t, norm_type=math.inf))(y)
+        assert float(n) == 3.0, dtype
+
+
 def test_empty_leaf_split_on_an_explicit_mesh():
     """An empty leaf split over an Explicit mesh axis: its slices' norms are 0 for every p
     and its derivative is empty (the rare path's maxima were zeros placed nowhere, which a

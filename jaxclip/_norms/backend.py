@@ -442,7 +442,7 @@ def magnitude_bits(x: Array) -> Array:
     """``|x|``'s bits as signed integers of its width, which order as the magnitudes do,
     NaN's above inf's: maxima over them keep a NaN (XLA:CPU's library float max of many
     values can drop one). :func:`from_magnitude_bits` turns them back."""
-    bits = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
+    bits = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
     return lax.bitcast_convert_type(jnp.abs(x), bits)
 
 
