@@ -184,6 +184,8 @@ def test_agc_with_params_placed_otherwise_than_gradients(kind):
             gn = np.linalg.norm(g[k].astype(np.float64), axis=axes, keepdims=True)
             want = g[k] * np.where(gn > 0.05 * pn, 0.05 * pn / gn, 1.0)
             np.testing.assert_allclose(np.asarray(out[k], np.float64), want, rtol=2e-6, err_msg=k)
+    if kind == AxisType.Auto:  # suite budget: the derivative's placements are Explicit's
+        return
     # The derivative, in gradients and params: its clip norms come placed as the params.
     w = {k: rng.normal(size=s).astype(np.float32) for k, s in AGC_SHAPES.items()}
 
