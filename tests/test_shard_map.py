@@ -450,6 +450,7 @@ def test_dp_noise_with_check_vma_false_is_refused():
         jax.jit(f)(jax.device_put(np.zeros((16, 4), np.float32), NamedSharding(mesh, P("data"))))
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_per_example_states_over_untracked_data_parallel_devices():
     """Under ``pmap`` and ``shard_map(check_vma=False)`` the states that count the batch
     (adaptive_clip_per_example's clip norm, clip_per_example's clipped fraction) are those
