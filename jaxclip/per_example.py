@@ -422,7 +422,7 @@ def _device_noise(key: Array, x: Array, axis_name: _norms.LeafAxes, path: str) -
     Outside ``shard_map`` the key is used as it is.
     """
     if not _norms.vma_tracked():
-        manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+        manual = untracked_batch_axes()
         if manual:
             raise ValueError(
                 f"jaxclip: per-example noise inside shard_map with check_vma=False (axes "
@@ -452,9 +452,7 @@ def batch_device_axes(v: Array) -> tuple[str, ...]:
 def untracked_batch_axes() -> tuple[str, ...]:
     """Every mapped axis in scope where JAX does not track which hold different examples
     (none where it does, or outside ``shard_map`` and ``pmap``)."""
-    if _norms.vma_tracked():
-        return ()
-    return tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    return () if _norms.vma_tracked() else _norms.manual_axes()
 
 
 def _mean_over_batch_devices(v: Array) -> Array:

@@ -54,6 +54,7 @@ from jaxclip._norms.devices import global_shape as global_shape
 from jaxclip._norms.devices import kept_axes as kept_axes
 from jaxclip._norms.devices import leaf_axes as leaf_axes
 from jaxclip._norms.devices import leaves_axes as leaves_axes
+from jaxclip._norms.devices import manual_axes as manual_axes
 from jaxclip._norms.devices import one_device as one_device
 from jaxclip._norms.devices import pmax as pmax
 from jaxclip._norms.devices import varying as varying

@@ -130,10 +130,6 @@ def _clipped_jvp(primals: tuple, tangents: tuple) -> tuple[list[Array], list[Arr
     for x, keep, f0, f1, frac, exp, c, dx, dfrac, dc in zip(
         *primals, tangents[0], tangents[4], tangents[6]
     ):
-        if not x.ndim:  # a single value as a vector of one (see stacking._split's raw)
-            keep, f0, f1, frac, exp, c, dfrac, dc = (
-                v.reshape(()) for v in (keep, f0, f1, frac, exp, c, dfrac, dc)
-            )
         outs.append(apply_factor(x, Factor(keep, f0, f1)))
         ts.append(_clipped_tangent(x, Factor(keep, f0, f1), Norm(frac, exp), c, dx, dfrac, dc))
     return outs, ts
@@ -152,8 +148,9 @@ def _clipped_tangent(
     def wide(v: Array) -> Array:
         return v if jnp.iscomplexobj(v) else v.astype(acc)
 
-    # Each per-slice value broadcast as x is placed: the clip norms may come placed as
-    # another tree (AGC's params), which an Explicit mesh does not broadcast against x.
+    # Each per-slice value broadcast as x is placed (a single value may come as a vector
+    # of one: stacking._split's raw): the clip norms may come placed as another tree
+    # (AGC's params), which an Explicit mesh does not broadcast against x.
     factor = Factor(*(spread(jnp.asarray(v), x) for v in factor))
     n = Norm(spread(n.frac, x), spread(n.exp, x))
     c, dfrac, dc = (spread(jnp.asarray(v), x) for v in (c, dfrac, dc))

@@ -54,7 +54,7 @@ def _mapped(spec: PartitionSpec, ndim: int) -> bool:
     """Whether a leaf's spec names mapped axes here: inside ``shard_map`` (its unbound
     names are then errors) or ``pmap``; not under ``jit`` over a mesh, where the same
     transformation serves sharded arrays with no collectives of its own."""
-    if jax.sharding.get_abstract_mesh().manual_axes:
+    if manual_axes():
         return True
     try:
         for name in _spec_names(spec, None, ndim):
@@ -111,6 +111,11 @@ def vma_tracked() -> bool:
         return False
 
 
+def manual_axes() -> tuple[str, ...]:
+    """The mapped axes in scope: ``shard_map``'s or ``pmap``'s (not a named ``vmap``'s)."""
+    return tuple(jax.sharding.get_abstract_mesh().manual_axes)
+
+
 def one_device(x: Any) -> bool:
     """Whether ``x`` lives whole on each device that holds it (single device, replicated,
     or a local block inside ``shard_map``), so reducing it needs no collective."""
@@ -151,7 +156,7 @@ def _check_names(names: tuple[str, ...], path: str = "") -> tuple[str, ...]:
         try:
             lax.axis_size(name)
         except NameError:
-            manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+            manual = manual_axes()
             leaf = f" (for the leaf {path!r})" if path else ""
             raise NameError(
                 f"jaxclip: axis_name {name!r}{leaf} is not a mapped axis here (unbound axis name). "
@@ -235,7 +240,7 @@ def combine_axes(
     names = _check_names(_axis_names(axis_name), path)
     if not tracked:
         return names
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    manual = set(manual_axes())
     if whole:  # a whole-array norm: every axis x varies across, unambiguously
         return tuple(sorted(axes)) + tuple(n for n in names if n not in manual)
     return tuple(n for n in names if n in axes or n not in manual)
@@ -259,14 +264,13 @@ def kept_axes(
     if isinstance(axis_name, PartitionSpec) and _mapped(axis_name, x.ndim):
         kept = [d for d in range(x.ndim) if d not in reduced]
         return tuple(n for n in _spec_names(axis_name, kept, x.ndim) if n not in combined)
-    manual = jax.sharding.get_abstract_mesh().manual_axes
-    return tuple(n for n in manual if n not in combined)
+    return tuple(n for n in manual_axes() if n not in combined)
 
 
 def has_unmapped(combines: Sequence[Combine]) -> bool:
     """Whether some combine axis is not a mesh axis (a named ``vmap``'s): the custom
     batching rules run outside the batching trace, where such a collective is unbound."""
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    manual = set(manual_axes())
     return any(n not in manual for c in combines for n in c)
 
 
