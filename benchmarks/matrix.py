@@ -206,15 +206,61 @@ def _layouts(mode: str, tree: str) -> list[str]:
 # --- one cell, in its own process -------------------------------------------------------
 
 
-def _emit(**fields: Any) -> None:
+def _print_fields(fields: dict[str, Any]) -> None:
     print(json.dumps(fields), flush=True)
+
+
+#: Where a cell's fields go: JSON lines for the parent process, or a row (``--inline``).
+_sink: list[Callable[[dict[str, Any]], None]] = [_print_fields]
+
+
+def _emit(**fields: Any) -> None:
+    _sink[0](fields)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus bytes written per second by one large elementwise pass (``2 * x``
+    over 256 MiB of float32, device-bound: calls queued, one wait), the median of 5."""
+    x = jnp.arange(1 << 26, dtype=jnp.float32)
+    double = jax.jit(lambda a: a * 2)
+    seconds = _time_queued([double], [(x,)], 5, 10)[0]
+    return 2 * x.nbytes / statistics.median(seconds)
+
+
+def _time_queued(
+    fns: list[Callable], args: list[tuple], rounds: int, calls: int
+) -> list[list[float]]:
+    """Seconds per call with ``calls`` calls queued before one wait (device-bound on an
+    accelerator, where the blocking median also holds the host's dispatch), per round and
+    fn, fns alternating."""
+    for f, a in zip(fns, args):
+        jax.block_until_ready(f(*a))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, (f, a) in enumerate(zip(fns, args)):
+            t0 = time.perf_counter()
+            jax.block_until_ready([f(*a) for _ in range(calls)])
+            times[i].append((time.perf_counter() - t0) / calls)
+    return times
+
+
+def floor_bytes(cell: Cell, grads: Any, params: Any) -> int:
+    """The fewest bytes a cell must move: its gradients read and its updates written (one
+    example's worth for per-example sums), AGC's params read too."""
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(grads))
+    written = nbytes // jax.tree.leaves(grads)[0].shape[0] if cell.mode in PER_EXAMPLE else nbytes
+    read_params = (
+        sum(x.nbytes for x in jax.tree.leaves(params)) if cell.mode == "adaptive_clip" else 0
+    )
+    return nbytes + written + read_params
 
 
 def _compile(fn: Callable, args: tuple, cap: float) -> tuple[Any, float]:
     """Trace + lower + compile of a fresh function; the process ends (``SIGALRM``'s default
     action) if it takes more than ``cap`` seconds."""
     jax.clear_caches()
-    signal.alarm(max(1, int(cap + 0.5)))
+    if cap > 0:  # no cap inline (--inline): the alarm would end every cell
+        signal.alarm(max(1, int(cap + 0.5)))
     t0 = time.perf_counter()
     compiled = jax.jit(lambda *a: fn(*a)).lower(*args).compile()
     seconds = time.perf_counter() - t0
@@ -233,8 +279,12 @@ def _compiles(side: str, fn: Callable, args: tuple, times: int, cap: float) -> A
     return compiled
 
 
-def run_cell(cell: Cell, quick: bool, reps: int, compiles: int, cap: float, known: float) -> None:
-    """Measures one cell, emitting its fields as JSON lines (the parent collects them)."""
+def run_cell(
+    cell: Cell, quick: bool, reps: int, compiles: int, cap: float, known: float, bandwidth: float
+) -> None:
+    """Measures one cell, emitting its fields (the parent collects them). With a measured
+    ``bandwidth`` (bytes/s, ``--inline``) it also times calls queued before one wait, the
+    device-bound time, against the memory floor: :func:`floor_bytes` over ``bandwidth``."""
     batch = 16 if cell.mode in PER_EXAMPLE else None
     shapes = tree_shapes(cell.tree, quick, batch is not None)
     dtype = DTYPES[cell.dtype]
@@ -243,6 +293,7 @@ def run_cell(cell: Cell, quick: bool, reps: int, compiles: int, cap: float, know
     nbytes = sum(x.nbytes for x in jax.tree.leaves(grads))
     ours, theirs, name = sides(cell)
     _emit(counterpart=name, leaves=len(shapes), bytes=nbytes, batch=batch)
+    _emit(floor_bytes=floor_bytes(cell, grads, params))
     args_ours = (grads, ours.init(params), params)
     args_theirs = (grads, theirs.init(params), params)
     c_ours = _compiles("ours", ours.update, args_ours, compiles, cap)
@@ -250,6 +301,16 @@ def run_cell(cell: Cell, quick: bool, reps: int, compiles: int, cap: float, know
     if known >= 0:
         _emit(theirs_compile_s=known)
     t_ours, t_theirs = _time_interleaved([c_ours, c_theirs], [args_ours, args_theirs], reps)
+    if bandwidth > 0:
+        q_ours, q_theirs = _time_queued([c_ours, c_theirs], [args_ours, args_theirs], reps, 10)
+        floor_s = floor_bytes(cell, grads, params) / bandwidth
+        _emit(
+            device_ms=1e3 * statistics.median(q_ours),
+            counterpart_device_ms=1e3 * statistics.median(q_theirs),
+            device_ratio=_median_ratio(q_ours, q_theirs),
+            floor_ms=1e3 * floor_s,
+            floor_ratio=statistics.median(q_ours) / floor_s,
+        )
     _emit(
         run_ms=1e3 * statistics.median(t_ours),
         counterpart_run_ms=1e3 * statistics.median(t_theirs),
@@ -329,8 +390,14 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _git_head() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True)
-    return out.stdout.decode().strip()
+    """HEAD's short hash, or ``JAXCLIP_GIT`` where the tree travelled without git (a device
+    machine)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True)
+        head = out.stdout.decode().strip()
+    except OSError:
+        head = ""
+    return head or os.environ.get("JAXCLIP_GIT", "?")
 
 
 def _write(path: str, meta: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
@@ -345,18 +412,56 @@ def _print_row(row: dict[str, Any]) -> None:
     print(
         f"{row['key']}: run {row['run_ms']:.2f} / {row['counterpart_run_ms']:.2f} ms "
         f"({row['run_ratio']:.2f}x), compile {row['ours_compile_s']:.2f} / "
-        f"{row['theirs_compile_s']:.2f} s ({row['compile_ratio']:.2f}x)",
+        f"{row['theirs_compile_s']:.2f} s ({row['compile_ratio']:.2f}x)"
+        + (
+            f", device {row['device_ms']:.3f} / {row['counterpart_device_ms']:.3f} ms "
+            f"({row['device_ratio']:.2f}x), {row['floor_ratio']:.1f}x floor"
+            if "device_ms" in row
+            else ""
+        ),
         flush=True,
     )
 
 
+def _inline(cell: Cell, args: argparse.Namespace, known: float) -> dict[str, Any]:
+    """Measures one cell in this process (``--inline``: no process start per cell, which
+    costs seconds on an accelerator; no compile cap)."""
+    row: dict[str, Any] = dict(cell._asdict(), key=cell.key(args.quick), quick=args.quick)
+    _sink[0] = row.update
+    try:
+        run_cell(cell, args.quick, args.reps, args.compiles, 0.0, known, args.bandwidth)
+        row["status"] = "ok"
+    except Exception as e:  # a row that says so; the next cell runs
+        row["status"] = f"failed in {row.get('phase', 'setup')}: {type(e).__name__}: {e}"[:400]
+    finally:
+        _sink[0] = _print_fields
+    return _with_ratios(row)
+
+
+def selected(args: argparse.Namespace) -> list[Cell]:
+    """The cells whose key holds one of ``--only``'s comma-separated parts, in the parts'
+    order (the matrix's order within a part)."""
+    every = cells(args.quick)
+    if args.only is None:
+        return every
+    out: list[Cell] = []
+    for part in args.only.split(","):
+        out += [c for c in every if part in c.key(args.quick) and c not in out]
+    return out
+
+
 def run_matrix(args: argparse.Namespace) -> None:
-    todo = [c for c in cells(args.quick) if args.only is None or args.only in c.key(args.quick)]
+    todo = selected(args)
+    if args.inline:
+        args.bandwidth = copy_bandwidth()
+        print(f"copy bandwidth (read + write): {args.bandwidth / 1e9:.0f} GB/s", flush=True)
     rows: dict[str, dict[str, Any]] = {}
     if not args.fresh and os.path.exists(args.out):
         with open(args.out) as f:
             rows = {r["key"]: r for r in json.load(f)["rows"]}
     meta = _meta(args)
+    if args.inline:
+        meta["copy_bandwidth_GBps"] = args.bandwidth / 1e9
     compiled: dict[str, float] = {}  # counterpart key -> its median compile (s), -1 if over
     for cell in todo:
         ck = _counterpart_key(cell)
@@ -365,7 +470,8 @@ def run_matrix(args: argparse.Namespace) -> None:
             row["counterpart"] = sides_name(cell)
             row["status"] = f"skipped: its counterpart's compile is over the cap ({args.cap:g} s)"
         else:
-            row = _collect(cell, args, compiled.get(ck, -1.0))
+            measure = _inline if args.inline else _collect
+            row = measure(cell, args, compiled.get(ck, -1.0))
             row["git"] = meta["git"]
             over = row["status"].startswith("skipped: theirs")
             compiled[ck] = -1 if over else row.get("theirs_compile_s", compiled.get(ck, -1))
@@ -390,11 +496,18 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=120.0, help="seconds a compile may take")
     ap.add_argument("--out", default=os.path.join(HERE, "results_matrix.json"))
     ap.add_argument("--fresh", action="store_true", help="drop the file's earlier rows")
+    ap.add_argument(
+        "--inline",
+        action="store_true",
+        help="every cell in this process, no compile cap; adds device-bound times against "
+        "the memory floor (for an accelerator, where a process start costs seconds)",
+    )
     ap.add_argument("--cell", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--known", type=float, default=-1.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.cell is not None:
-        run_cell(_cell_of(args.cell), args.quick, args.reps, args.compiles, args.cap, args.known)
+        cell = _cell_of(args.cell)
+        run_cell(cell, args.quick, args.reps, args.compiles, args.cap, args.known, 0.0)
     else:
         run_matrix(args)
 
