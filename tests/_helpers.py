@@ -14,8 +14,9 @@ import pytest
 #: For tests of XLA:CPU's kernels and buffers (HLO kernel counts, ``memory_analysis()``):
 #: GPU and TPU compile to other kernels, and jaxclip takes another strategy there (see
 #: ``jaxclip/_norms.py``); their figures are in ``benchmarks/last_run.md``.
+ON_XLA_CPU = jax.default_backend() == "cpu"
 xla_cpu_only = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="a mechanism of XLA:CPU's compiled program"
+    not ON_XLA_CPU, reason="a mechanism of XLA:CPU's compiled program"
 )
 
 

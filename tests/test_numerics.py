@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
-from _helpers import xla_cpu_only
+from _helpers import ON_XLA_CPU, xla_cpu_only
 
 import jaxclip
 
@@ -438,7 +438,8 @@ def test_whole_large_float16_leaves_are_summed_in_rows_exactly():
         want = np.sqrt(np.sum(np.square(x.astype(np.float64))))
         np.testing.assert_allclose(float(f(x)), want, rtol=1e-5)
         loops = "while(" in f.lower(x).compile().as_text()
-        assert loops == (shape not in [(3, 3, 300, 517), (8, 512)]), shape
+        # The loop is XLA:CPU's measure; other backends reduce at once (test_gpu_lowering).
+        assert loops == (ON_XLA_CPU and shape not in [(3, 3, 300, 517), (8, 512)]), shape
     x = np.ones((1024, 1024), np.float16)
     x[700, 5] = np.inf
     assert float(f(x)) == np.inf
@@ -552,7 +553,8 @@ def test_float16_row_sums_over_trailing_axes_are_accurate(shape, axes, chunk):
     text = f.lower(x).compile().as_text()
     length = math.prod(shape[d] for d in np.atleast_1d(axes))
     slices = set(re.findall(r"= (f16\[[\d,]+\])\S* dynamic-slice", text))
-    assert slices == (set() if chunk is None else {f"f16[{chunk},{length}]"}), slices
+    chunked = chunk is not None and ON_XLA_CPU  # XLA:CPU's measure (test_gpu_lowering)
+    assert slices == ({f"f16[{chunk},{length}]"} if chunked else set()), slices
     want = np.sqrt(np.sum(np.square(x.astype(np.float64)), axis=axes))
     np.testing.assert_allclose(ref.f64(f(x)), want, rtol=2e-6)
 
@@ -578,7 +580,8 @@ def test_float16_sums_over_leading_axes_of_small_leaves_loop(shape, axes, chunk)
     f = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=axes)[1])
     text = f.lower(x).compile().as_text()
     slices = set(re.findall(r"= (f16\[[\d,]+\])\S* dynamic-slice", text))
-    assert slices == ({chunk} if chunk else set()), slices
+    chunked = chunk is not None and ON_XLA_CPU  # XLA:CPU's measure (test_gpu_lowering)
+    assert slices == ({chunk} if chunked else set()), slices
     want = np.sqrt(np.sum(np.square(x.astype(np.float64)), axis=axes))
     np.testing.assert_allclose(ref.f64(f(x)), want, rtol=2e-6)
 

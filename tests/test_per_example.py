@@ -137,7 +137,9 @@ def test_low_precision_leaves():
             np.testing.assert_allclose(a, wl, rtol=tol, atol=tol * abs(wl).max())
 
 
-@pytest.mark.parametrize("which", ["_contract_split", "_contract_wide"])
+@pytest.mark.parametrize(
+    "which", [pytest.param("_contract_split", marks=xla_cpu_only), "_contract_wide"]
+)
 def test_bf16_contraction_both_strategies_match_float64(which):
     """XLA:CPU lowers the split contraction and other platforms the widened one
     (``lax.platform_dependent``); CI has only a CPU, so each is called here directly.

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from _helpers import xla_cpu_only
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -202,6 +203,7 @@ def test_zero_rows_of_a_sharded_leaf():
         _check(out, norms, x, c, 2.0, jnp.float32)
 
 
+@xla_cpu_only  # the rare path's floor; GPU/TPU take the single pass (backend.one_pass)
 def test_floored_norms_skip_the_small_slices_and_the_reported_ones_do_not():
     """The mechanism: with a floor above the bound, a row whose squares underflowed has
     floored norm 0 (its data were not read again); below it, its exact norm."""
@@ -223,6 +225,7 @@ def test_floored_norms_skip_the_small_slices_and_the_reported_ones_do_not():
     "report",
     [pytest.param("exact", marks=pytest.mark.slow), "largest"],  # suite budget
 )
+@xla_cpu_only  # XLA:GPU keeps no conditional; GPU/TPU take the single pass
 def test_one_rare_branch_per_unit_serves_clipping_and_the_norms(report):
     """The clipped leaves and the reported norms share one rare pass: a conditional per
     unit (the leaf alone here) and a few for the call (one of them the opaque offsets

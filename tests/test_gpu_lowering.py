@@ -1,0 +1,70 @@
+"""What XLA:GPU is given, checked without a GPU: programs lowered for ``cuda`` on this host.
+
+XLA:CPU's measures (``jaxclip._norms.backend``) are chosen per platform when lowering. A loop
+over chunks of a float16 leaf is one of them: on a GPU each of its steps is a kernel launch
+(float16 norms ran 20-50x slower than optax's on an H200 while it was lowered there too).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+
+import jaxclip
+from jaxclip._norms import backend
+
+SHAPES = {"w": (512, 512), "k": (3, 3, 64, 128), "u": (256, 1024), "v": (40000,)}
+CASES = {
+    "global_norm": lambda t: jaxclip.global_norm(t),
+    "clip_tree_by_global_norm": lambda t: jaxclip.clip_tree_by_global_norm(t, 1.0)[0],
+    "axes=None": lambda t: jaxclip.clip_tree_by_norm(t, 1.0)[0],
+    "axes=0": lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=0)[0],
+    "axes=-1": lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=-1)[0],
+    "norm_type=3": lambda t: jaxclip.global_norm(t, norm_type=3),
+    "adaptive_clip": lambda t: jaxclip.clip_tree_adaptive(t, t, 0.1),
+}
+
+
+def _tree(dtype) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(0)
+    return {k: jnp.asarray(rng.lognormal(0.0, 2.0, s), dtype) for k, s in SHAPES.items()}
+
+
+def _loops(fn, tree, platform: str) -> int:
+    text = jax.jit(fn).trace(tree).lower(lowering_platforms=(platform,)).as_text()
+    return text.count("stablehlo.while")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn])
+def test_no_loop_in_norms_lowered_for_gpu(dtype):
+    tree = _tree(dtype)
+    on_cpu = {name: _loops(fn, tree, "cpu") for name, fn in CASES.items()}
+    assert sum(on_cpu.values()) >= len(CASES), on_cpu  # the measure is there on CPU
+    on_gpu = {name: _loops(fn, tree, "cuda") for name, fn in CASES.items()}
+    assert not any(on_gpu.values()), on_gpu
+
+
+def test_the_other_backends_sums_against_float64(monkeypatch):
+    """The branch other backends lower, run here: each sum at once (float16, the loop's
+    leaves), within the stated 1e-5 of float64; NaN and inf carried."""
+    monkeypatch.setattr(backend, "_on_cpu", lambda loop, x, plain: plain(x))
+    jax.clear_caches()
+    try:
+        tree = _tree(jnp.float16)
+        f64 = {k: np.asarray(v, np.float64) for k, v in tree.items()}
+        got = jax.jit(jaxclip.global_norm)(tree)
+        want = np.sqrt(sum(np.sum(v * v) for v in f64.values()))
+        np.testing.assert_allclose(float(got), want, rtol=1e-5)
+        for axes in (0, -1):
+            norms = jax.jit(lambda t, a=axes: jaxclip.clip_tree_by_norm(t, 1.0, axes=a)[1])
+            w = tree["u"].at[3, 5].set(jnp.nan).at[7, 9].set(jnp.inf)
+            got = ref.f64(norms(w))
+            x = np.asarray(w, np.float64)
+            want = np.sqrt(np.sum(x * x, axis=axes))
+            np.testing.assert_allclose(got, want, rtol=1e-5)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
