@@ -39,12 +39,19 @@ def _loops(fn, tree, platform: str) -> int:
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn])
-def test_no_loop_in_norms_lowered_for_gpu(dtype):
+def test_no_loop_in_norms_lowered_for_gpu(dtype, monkeypatch):
+    """On a GPU host: no loop lowered for the GPU, the loop lowered for its CPU."""
     tree = _tree(dtype)
-    on_cpu = {name: _loops(fn, tree, "cpu") for name, fn in CASES.items()}
-    assert sum(on_cpu.values()) >= len(CASES), on_cpu  # the measure is there on CPU
-    on_gpu = {name: _loops(fn, tree, "cuda") for name, fn in CASES.items()}
-    assert not any(on_gpu.values()), on_gpu
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jax.clear_caches()
+    try:
+        on_cpu = {name: _loops(fn, tree, "cpu") for name, fn in CASES.items()}
+        assert sum(on_cpu.values()) >= len(CASES), on_cpu  # the measure is there on CPU
+        on_gpu = {name: _loops(fn, tree, "cuda") for name, fn in CASES.items()}
+        assert not any(on_gpu.values()), on_gpu
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
 
 
 def test_the_other_backends_sums_against_float64(monkeypatch):
@@ -68,3 +75,18 @@ def test_the_other_backends_sums_against_float64(monkeypatch):
     finally:
         monkeypatch.undo()
         jax.clear_caches()
+
+
+def test_magnitudes_bits_clear_the_sign_as_an_integer():
+    """XLA:GPU's float64 ``abs`` keeps a NaN's sign bit (seen on an H200, jax 0.11.2): the
+    bits of ``abs(-nan)`` were negative, below every magnitude, and the maximum dropped the
+    NaN. The sign bit is cleared by an integer ``and``, for every width."""
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn):
+        x = jnp.asarray([1.0, -2.0, 3.0], dtype)
+        text = jax.jit(backend.max_keeping_nan).trace(x).lower(lowering_platforms=("cuda",))
+        ops = text.as_text()
+        assert "stablehlo.and" in ops and "stablehlo.abs" not in ops, dtype
+        nan = np.asarray(-np.nan, np.float32)
+        top = float(jnp.finfo(dtype).max)  # float8_e4m3fn has no inf
+        bits = backend.magnitude_bits(jnp.asarray([nan, -top, 1.0], dtype))
+        assert int(bits[0]) > int(bits[1]) > int(bits[2]) > 0, dtype

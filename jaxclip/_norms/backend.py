@@ -378,7 +378,11 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int, split: bool = Fals
 def _on_cpu(loop: Callable[[Array], Array], x: Array, plain: Callable[[Array], Array]) -> Array:
     """``loop(x)`` on XLA:CPU, ``plain(x)`` elsewhere: a loop over chunks is XLA:CPU's
     measure; on a GPU each of its steps is a kernel launch (float16 norms ran 20-50x
-    slower there), and XLA:GPU's own reduce is fast and accurate."""
+    slower there), and XLA:GPU's own reduce is fast and accurate. Chosen when lowering
+    where the default backend is not the CPU (a GPU host may compute on its CPU); on a
+    CPU host the loop alone is traced: no second branch to trace for every loop."""
+    if jax.default_backend() == "cpu":
+        return loop(x)
     return lax.platform_dependent(x, cpu=loop, default=plain)
 
 
@@ -457,7 +461,9 @@ def magnitude_bits(x: Array) -> Array:
     NaN's above inf's: maxima over them keep a NaN (XLA:CPU's library float max of many
     values can drop one). :func:`from_magnitude_bits` turns them back."""
     bits = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
-    return lax.bitcast_convert_type(jnp.abs(x), bits)
+    # The sign bit cleared as an integer: XLA:GPU's float64 abs keeps a NaN's sign bit,
+    # and a negative NaN's bits would order below every magnitude.
+    return lax.bitcast_convert_type(x, bits) & jnp.iinfo(bits).max
 
 
 def from_magnitude_bits(b: Array, dtype: Any) -> Array:
