@@ -390,14 +390,16 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _git_head() -> str:
-    """HEAD's short hash, or ``JAXCLIP_GIT`` where the tree travelled without git (a device
-    machine)."""
+    """``JAXCLIP_GIT`` where set (a device machine's copy of the tree sits on the session's
+    first commit), else HEAD's short hash."""
+    if os.environ.get("JAXCLIP_GIT"):
+        return os.environ["JAXCLIP_GIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True)
         head = out.stdout.decode().strip()
     except OSError:
         head = ""
-    return head or os.environ.get("JAXCLIP_GIT", "?")
+    return head or "?"
 
 
 def _write(path: str, meta: dict[str, Any], rows: dict[str, dict[str, Any]]) -> None:
