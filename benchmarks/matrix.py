@@ -3,6 +3,7 @@
     python benchmarks/matrix.py                  # the full matrix (an hour or more, 2 cores)
     python benchmarks/matrix.py --quick          # a small subset, under 3 minutes
     python benchmarks/matrix.py --only bfloat16  # the cells whose key holds a substring
+    python benchmarks/matrix.py --inline --trees huge  # one process, against the memory floor
 
 Cells are mode x layout x tree x dtype. Modes are those of :data:`jaxclip._registry.MODES`
 (their transforms, ``update`` with its state, as built from the registry's example); each
@@ -63,6 +64,9 @@ NORM_AXES: dict[str, int | tuple[int, ...] | None] = {
     "hwio": (0, 1, 2),
 }
 TREES = ("large", "transformer", "conv", "small1000")
+#: Trees outside the default matrix, for ``--trees``: "huge" (328 MiB of float32: four
+#: 4096x4096 kernels, two 3x3x1024x1024 convs) puts a GPU's cells at the memory floor.
+MORE_TREES = ("huge",)
 HISTORY = ("auto_clip", "quantile_clip", "standard_clip", "zclip", "skip_large_updates")
 PER_EXAMPLE = ("clip_per_example", "adaptive_clip_per_example")
 #: Targets (issue 36): run time, and compile time over the counterpart's.
@@ -99,6 +103,9 @@ def _small(n: int) -> Shapes:
 
 def tree_shapes(tree: str, quick: bool, batched: bool) -> Shapes:
     """The leaves' shapes; per-example trees are smaller (a batch axis is prepended)."""
+    if tree == "huge":
+        return {"w0": (4096, 4096), "w1": (4096, 4096), "w2": (4096, 4096), "w3": (4096, 4096),
+                "c0": (3, 3, 1024, 1024), "c1": (3, 3, 1024, 1024)}  # fmt: skip
     if tree == "large":
         if batched:
             return {"w": (512, 512), "k": (64, 64, 3, 3), "v": (4096,)}
@@ -172,7 +179,7 @@ def sides(cell: Cell) -> tuple[optax.GradientTransformation, optax.GradientTrans
     return mode.build(), optax.clip_by_global_norm(CLIP), name
 
 
-def cells(quick: bool) -> list[Cell]:
+def cells(quick: bool, trees: tuple[str, ...] = TREES) -> list[Cell]:
     if quick:
         return [
             Cell("clip_by_global_norm", "whole", "large", "float32"),
@@ -187,7 +194,7 @@ def cells(quick: bool) -> list[Cell]:
             Cell("clip_per_example", "rows", "large", "float32"),
         ]
     out = []
-    for tree in TREES:
+    for tree in trees:
         for dtype in DTYPES:
             for m in _registry.MODES:
                 for layout in _layouts(m.name, tree):
@@ -200,7 +207,9 @@ def _layouts(mode: str, tree: str) -> list[str]:
         return ["whole", "trailing", "leading"] + (["hwio"] if tree == "conv" else [])
     if mode == "adaptive_clip":
         return ["agc"]
-    return ["rows"] if mode in PER_EXAMPLE else ["whole"]
+    if mode in PER_EXAMPLE:
+        return [] if tree == "huge" else ["rows"]  # a batch of it would not fit
+    return ["whole"]
 
 
 # --- one cell, in its own process -------------------------------------------------------
@@ -443,7 +452,7 @@ def _inline(cell: Cell, args: argparse.Namespace, known: float) -> dict[str, Any
 def selected(args: argparse.Namespace) -> list[Cell]:
     """The cells whose key holds one of ``--only``'s comma-separated parts, in the parts'
     order (the matrix's order within a part)."""
-    every = cells(args.quick)
+    every = cells(args.quick, tuple(args.trees.split(",")))
     if args.only is None:
         return every
     out: list[Cell] = []
@@ -493,6 +502,9 @@ def main() -> None:
     )
     ap.add_argument("--quick", action="store_true", help="a small subset, smaller trees")
     ap.add_argument("--only", default=None, help="the cells whose key holds this substring")
+    ap.add_argument(
+        "--trees", default=",".join(TREES), help=f"comma-separated, of {TREES + MORE_TREES}"
+    )
     ap.add_argument("--reps", type=int, default=20, help="alternating calls per cell (>= 15)")
     ap.add_argument("--compiles", type=int, default=3, help="compiles per side (the median)")
     ap.add_argument("--cap", type=float, default=120.0, help="seconds a compile may take")
