@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxclip import _axes, _checks, _tree, per_example
+from jaxclip import _axes, _checks, _norms, _tree, per_example
 from jaxclip._checks import NormType
 from jaxclip.per_example import Group, Reduce
 
@@ -98,6 +98,13 @@ def clipped_grad(
     step serves every batch). Those rows add nothing to the sum (weight 0; their gradients
     must be finite, as they are for copies of real examples or for zeros in most models)
     and are not counted as clipped.
+
+    On a mesh that splits the batch: inside ``shard_map`` each device returns the clipped
+    sum of its own examples (``lax.psum`` them); the mesh axes every batch argument varies
+    across are the batch's, and the other axes a param varies across split its features
+    (tensor parallel). Under ``jit`` microbatch ``k`` holds rows ``k, k + steps, ...``, so
+    each device keeps its own rows; on an Explicit mesh ``microbatch_size`` must then be a
+    multiple of the batch's devices that divides the batch.
 
     The sum's L2 sensitivity (add/remove one example) is ``clip_norm``, or
     ``sqrt(sum_g c_g**2)`` with a dict of per-group clip norms. Add the noise yourself
@@ -218,9 +225,12 @@ def clipped_grad(
                     "padding rows."
                 )
             valid = ~mask
+        args, axes = _data_parallel(args, grad_nums, batch_nums, np.ndim(argnums) == 0)
         m = batch if size is None else max(min(size, batch), 1)
         steps = max(-(-batch // m), 1)
         rows = steps * m
+        if steps > 1:
+            _check_explicit_split(args, batch_nums, m, batch, fn)
         in_axes = tuple(0 if i in batch_nums else None for i in range(len(args)))
         per_grads = jax.vmap(one_example, in_axes=in_axes)
 
@@ -230,7 +240,7 @@ def clipped_grad(
                 call[i] = b
             grads, value, aux = per_grads(*call)
             sums, norms, _, _ = per_example.clip_examples(
-                grads, clip_norm, p, need_clip, group, "sum", None, None, fn,
+                grads, clip_norm, p, need_clip, group, "sum", None, None, fn, axes,
                 weights=ok, keep_acc=True,
             )  # fmt: skip
             return sums, (norms if group is not None else norms[None], value, aux)
@@ -240,7 +250,10 @@ def clipped_grad(
         if steps == 1:
             sums, (norms, values, aux) = micro(batched, ok)
         else:
-            split = jax.tree.map(lambda x: x.reshape(steps, m, *x.shape[1:]), (batched, ok))
+            # Microbatch k holds rows k, k + steps, ...: on a mesh that splits the batch,
+            # each device keeps its rows in every microbatch (contiguous microbatches
+            # would each live on a few devices, gathered to all of them).
+            split = jax.tree.map(lambda x: _strided(x, m, steps), (batched, ok))
             first = jax.tree.map(lambda x: x[0], split)
             shapes = jax.eval_shape(micro, *first)[0]
             leaves, treedef = jax.tree.flatten(shapes)
@@ -251,13 +264,13 @@ def clipped_grad(
                 flat = jax.tree.leaves(s)
                 return [c + flat[i] for c, i in zip(carry, acc)], ys
 
-            zeros = [jnp.zeros(leaves[i].shape, leaves[i].dtype) for i in acc]
+            zeros = [_zeros(leaves[i]) for i in acc]
             carry, ys = lax.scan(body, zeros, split, unroll=unroll)
             out: list[Any] = [np.zeros(s.shape, s.dtype) for s in leaves]  # float0 leaves
             for i, c in zip(acc, carry):
                 out[i] = c
             sums = jax.tree.unflatten(treedef, out)
-            norms, values, aux = jax.tree.map(lambda y: y.reshape(rows, *y.shape[2:]), ys)
+            norms, values, aux = jax.tree.map(lambda y: _unstrided(y, rows), ys)
         dtypes = jax.eval_shape(per_grads, *_first_rows(args, batch_nums))[0]
         total = jax.tree.map(lambda s, d: _finish(s, d.dtype, reduce, batch), sums, dtypes)
         if not (has_aux or return_norms or return_values):
@@ -270,6 +283,85 @@ def clipped_grad(
         )
 
     return clipped
+
+
+def _data_parallel(
+    args: tuple[Any, ...], grad_nums: tuple[int, ...], batch_nums: tuple[int, ...], one: bool
+) -> tuple[tuple[Any, ...], Any]:
+    """Inside ``shard_map`` with the batch split over mesh axes (data parallel): the
+    differentiated arguments cast to vary across those axes, and the axis names of each
+    gradient leaf (the other axes its param varies across, which split its features).
+
+    A param that does not vary across an axis that splits the batch is broadcast to the
+    batch implicitly, and JAX transposes that broadcast into a ``psum``: each
+    example's gradient would be the sum of that example's row of every device. Cast, each
+    device's gradients are its own examples'; the caller ``psum``s the clipped sums.
+    Elsewhere (no split batch, ``pmap``, ``check_vma=False``) nothing changes."""
+    if not _norms.vma_tracked():
+        return args, None
+    # The axes every batch leaf varies across split the batch (the labels' axes, where
+    # the data's features are split further, over a tensor-parallel axis).
+    each = [_norms.varying(x) for i in batch_nums for x in jax.tree.leaves(args[i])]
+    split = set(frozenset.intersection(*each)) if each else set()
+    if not split:
+        return args, None
+
+    def cast(x: Any) -> Any:
+        missing = tuple(sorted(split - _norms.varying(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    def own(x: Any) -> tuple[str, ...]:  # a param cast to vary across the batch's axes too
+        return tuple(sorted(_norms.varying(x) - split))
+
+    grads_axes = [jax.tree.map(own, args[i]) for i in grad_nums]
+    cast_args = tuple(jax.tree.map(cast, a) if i in grad_nums else a for i, a in enumerate(args))
+    return cast_args, grads_axes[0] if one else tuple(grads_axes)
+
+
+def _check_explicit_split(
+    args: Sequence[Any], batch_nums: tuple[int, ...], m: int, batch: int, fn: str
+) -> None:
+    """A ValueError for microbatches an Explicit mesh cannot hold: with the batch split
+    over ``n`` devices, each microbatch keeps ``m / n`` rows on each device, so ``m`` must
+    be a multiple of ``n`` and divide the batch (no padding rows to place)."""
+    for i in batch_nums:
+        for x in jax.tree.leaves(args[i]):
+            sharding = getattr(jax.typeof(x), "sharding", None)
+            spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+            if not spec or mesh is None or spec[0] is None:
+                continue
+            names = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+            kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+            split = [a for a in names if kinds.get(a) == jax.sharding.AxisType.Explicit]
+            n = math.prod(mesh.shape[a] for a in split)
+            if n > 1 and (m % n or batch % m):
+                fits = [k for k in range(n, batch + 1, n) if batch % k == 0]
+                raise ValueError(
+                    f"jaxclip.{fn}: the batch of {batch} rows is split over the Explicit "
+                    f"mesh axes {tuple(split)} ({n} devices), so microbatch_size={m} must be "
+                    f"a multiple of {n} that divides {batch} (one of {fits}), or None."
+                )
+
+
+def _strided(x: Array, m: int, steps: int) -> Array:
+    """``x``'s ``m * steps`` rows as ``steps`` microbatches of ``m``, the k-th holding rows
+    ``k, k + steps, k + 2 * steps, ...`` (each device's share of every microbatch where
+    the rows are split across devices)."""
+    return jnp.swapaxes(x.reshape(m, steps, *x.shape[1:]), 0, 1)
+
+
+def _unstrided(y: Array, rows: int) -> Array:
+    """Per-example results of :func:`_strided` microbatches (``(steps, m, ...)``) back in
+    the rows' order."""
+    return jnp.swapaxes(y, 0, 1).reshape(rows, *y.shape[2:])
+
+
+def _zeros(like: jax.ShapeDtypeStruct) -> Array:
+    """Zeros of ``like``'s shape and dtype that vary across the mesh axes it does (a
+    loop's carry inside ``shard_map``)."""
+    zeros = jnp.zeros(like.shape, like.dtype)
+    axes = tuple(sorted(_norms.varying(like)))
+    return lax.pcast(zeros, axes, to="varying") if axes else zeros
 
 
 def _batch_of(args: Sequence[Any], batch_nums: tuple[int, ...], fn: str) -> int:
@@ -426,6 +518,9 @@ def adaptive_clip_per_example(
     ``clip_norm=state.clip_norm`` and ``return_norms=True``) and its per-example norms:
     the memory-bounded way. ``is_padding_example=`` (bool, shape ``(B,)``) leaves padding
     rows out of the count. In ``optax.chain`` both keywords reach this transformation.
+    Data parallel inside ``shard_map``, pass each device's sum (then ``psum`` or ``pmean``
+    the update, as for :func:`clip_per_example`: each device draws its share of the
+    noise) or the sum over the devices (the update is then the same on every device).
 
     Privacy: the count and the sum are two Gaussian mechanisms; with the noise multiplier
     ``z`` of your accounting, pass
@@ -534,7 +629,9 @@ def adaptive_clip_per_example(
                     "from clipped_grad(..., return_norms=True), shape (batch,)."
                 )
             rows = norms.shape[0]
-            tree = _noised_sum(updates, std if noisy_sum else None, k_sum, reduce, rows, need_clip)
+            split = per_example.batch_device_axes(norms)
+            std_sum = std if noisy_sum else None
+            tree = _noised_sum(updates, std_sum, k_sum, reduce, rows, need_clip, split)
         # Data parallel: the examples of every device count (the norms vary across the
         # axes that split the batch), and the count's noise is drawn once.
         split = per_example.batch_device_axes(norms)
@@ -612,11 +709,24 @@ def _next_clip_norm(
 
 
 def _noised_sum(
-    tree: PyTree, std: Any, key: Array, reduce: Reduce, rows: int, need_clip: _tree.NeedClip
+    tree: PyTree,
+    std: Any,
+    key: Array,
+    reduce: Reduce,
+    rows: int,
+    need_clip: _tree.NeedClip,
+    split: tuple[str, ...] = (),
 ) -> PyTree:
     """A clipped sum with Gaussian noise of standard deviation ``std`` on every selected
     leaf (an independent draw per leaf, added in float32 before rounding), divided by
-    ``rows`` for the mean."""
+    ``rows`` for the mean.
+
+    Data parallel (the batch split over the mesh axes ``split``, which the norms vary
+    across): a leaf that is this device's partial sum (it varies across them too) draws
+    its share of the noise with a key of its own, and its mean is over this device's rows
+    (the caller's ``psum`` or ``pmean`` completes both, as for :func:`clip_per_example`);
+    a leaf already summed over the devices draws the whole noise, the same on every
+    device that holds the same block, and its mean is over every device's rows."""
     sel = _tree.select(tree, need_clip, what="the noise of adaptive_clip_per_example")
     keys = jax.random.split(key, max(len(sel.leaves), 1))
     chosen = set(sel.indices)
@@ -627,8 +737,15 @@ def _noised_sum(
         x = jnp.asarray(x)
         total = x.astype(jnp.promote_types(x.dtype, jnp.float32))
         if std is not None and i in chosen:
-            total = total + per_example.normal(keys[i], total, std)
+            k, share = keys[i], 1.0
+            if per_example.check_noise_tracked():
+                k = per_example.own_key(k, total)
+                partial = [a for a in split if a in _norms.varying(total)]
+                share = 1 / math.sqrt(math.prod(jax.lax.axis_size(a) for a in partial))
+            total = total + per_example.normal(k, total, std * share)
         if reduce == "mean":
-            total = total / jnp.asarray(rows, total.real.dtype)
+            summed = [a for a in split if a not in _norms.varying(total)]
+            count = rows * math.prod(jax.lax.axis_size(a) for a in summed)
+            total = total / jnp.asarray(count, total.real.dtype)
         leaves[i] = total.astype(x.dtype)
     return sel.treedef.unflatten(leaves)

@@ -421,21 +421,35 @@ def _device_noise(key: Array, x: Array, axis_name: _norms.LeafAxes, path: str) -
     draws ``1/sqrt(devices)`` of the standard deviation and the total has the full one.
     Outside ``shard_map`` the key is used as it is.
     """
-    if not _norms.vma_tracked():
-        manual = untracked_batch_axes()
-        if manual:
-            raise ValueError(
-                f"jaxclip: per-example noise inside shard_map with check_vma=False (axes "
-                f"{manual}): jaxclip cannot tell which devices hold different examples, so it "
-                "cannot draw the noise once. Use shard_map's default check_vma=True."
-            )
+    if not check_noise_tracked():
         return key, 1.0
-    varying = sorted(_norms.varying(x))
     features = set(_norms.combine_axes(x, axis_name, range(1, x.ndim), path))
-    for axis in varying:
+    batch = [a for a in _norms.varying(x) if a not in features]
+    return own_key(key, x), 1 / math.sqrt(math.prod(lax.axis_size(a) for a in batch))
+
+
+def check_noise_tracked() -> bool:
+    """Whether JAX tracks which mapped axes values vary across here (False outside
+    ``shard_map`` and ``pmap``); a ValueError where it does not, under mapped axes: which
+    devices hold different examples is then unknown, and noise cannot be drawn once."""
+    if _norms.vma_tracked():
+        return True
+    manual = untracked_batch_axes()
+    if manual:
+        raise ValueError(
+            f"jaxclip: per-example noise under pmap or shard_map(check_vma=False) (axes "
+            f"{manual}): jaxclip cannot tell which devices hold different examples, so it "
+            "cannot draw the noise once. Use shard_map with its default check_vma=True."
+        )
+    return False
+
+
+def own_key(key: Array, x: Array) -> Array:
+    """``key`` folded with this device's index on every mesh axis ``x`` varies across:
+    devices that hold different blocks of ``x`` draw independent noise."""
+    for axis in sorted(_norms.varying(x)):
         key = jax.random.fold_in(key, lax.axis_index(axis))
-    devices = math.prod(lax.axis_size(a) for a in varying if a not in features)
-    return key, 1 / math.sqrt(devices)
+    return key
 
 
 def batch_device_axes(v: Array) -> tuple[str, ...]:

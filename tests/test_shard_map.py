@@ -446,7 +446,7 @@ def test_dp_noise_with_check_vma_false_is_refused():
         out_specs=P("data"),
         check_vma=False,
     )
-    with pytest.raises(ValueError, match=r"check_vma=False.*Use shard_map's default"):
+    with pytest.raises(ValueError, match=r"shard_map\(check_vma=False\).*with its default"):
         jax.jit(f)(jax.device_put(np.zeros((16, 4), np.float32), NamedSharding(mesh, P("data"))))
 
 

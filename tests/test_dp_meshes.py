@@ -1,0 +1,162 @@
+"""DP-SGD's aggregation with the batch split over devices: ``clipped_grad`` inside
+``shard_map`` and under ``jit`` on meshes, and ``adaptive_clip_per_example(norms=...)``'s
+noise and mean there, against float64 NumPy and the single-device statistics."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxclip
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+B, F, C = 64, 32, 1.0
+
+
+def _loss(p, x, y):
+    return 0.5 * (x @ p["w"] + p["b"] - y) ** 2
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(B, F)).astype(np.float32)
+    x[::5] *= 0.01  # some examples within the clip norm
+    y = rng.normal(size=B).astype(np.float32)
+    params = {"w": (rng.normal(size=F) * 0.1).astype(np.float32), "b": np.float32(0.3)}
+    return x, y, params
+
+
+def _want(x, y, params):
+    """The clipped sums and the norms, in float64."""
+    r = x.astype(np.float64) @ params["w"].astype(np.float64) + float(params["b"]) - y
+    gw, gb = r[:, None] * x, r
+    n = np.sqrt(np.sum(gw**2, 1) + gb**2)
+    f = np.minimum(1.0, C / n)
+    return (f[:, None] * gw).sum(0), (f * gb).sum(), n
+
+
+def _close(s, norms, want):
+    ww, wb, wn = want
+    np.testing.assert_allclose(np.asarray(s["w"], np.float64), ww, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(float(s["b"]), wb, rtol=2e-6)
+    np.testing.assert_allclose(np.asarray(norms, np.float64), wn, rtol=2e-6)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_clipped_grad_inside_data_parallel_shard_map(check_vma):
+    """Each device's sum is its own examples' (replicated params: JAX would otherwise
+    transpose their broadcast into a psum over "data", mixing the devices' examples)."""
+    x, y, params = _data()
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    rows = NamedSharding(mesh, P("data"))
+    xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
+    for micro in (None, 4, 3):
+        g = jaxclip.clipped_grad(_loss, C, microbatch_size=micro, return_norms=True,
+                                 batch_argnums=(1, 2))  # fmt: skip
+
+        def step(xb, yb, g=g):
+            s, aux = g(params, xb, yb)
+            return jax.lax.psum(s, "data"), aux.norms
+
+        f = jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P("data")),
+                          out_specs=(P(), P("data")), check_vma=check_vma)  # fmt: skip
+        s, norms = jax.jit(f)(xs, ys)
+        _close(s, norms, _want(x, y, params))
+
+
+def test_clipped_grad_with_tensor_and_data_parallel_params():
+    """Features split over "model" (4), examples over "data" (2): each example's norm is
+    combined over "model" only."""
+    x, y, params = _data()
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+    def loss(p, xr, yr):  # one example; its features split over "model"
+        return 0.5 * (lax.psum(xr @ p["w"], "model") + p["b"] - yr) ** 2
+
+    def step(p, xb, yb):
+        s, aux = jaxclip.clipped_grad(loss, C, microbatch_size=8, return_norms=True,
+                                      batch_argnums=(1, 2))(p, xb, yb)  # fmt: skip
+        return jax.tree.map(lambda v: jax.lax.psum(v, "data"), s), aux.norms
+
+    put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))  # noqa: E731
+    p = {"w": put(params["w"], P("model")), "b": put(params["b"], P())}
+    specs = ({"w": P("model"), "b": P()}, P("data", "model"), P("data"))
+    f = jax.shard_map(step, mesh=mesh, in_specs=specs,
+                      out_specs=({"w": P("model"), "b": P()}, P("data")))  # fmt: skip
+    s, norms = jax.jit(f)(p, put(x, P("data", "model")), put(y, P("data")))
+    _close(s, norms, _want(x, y, params))
+
+
+def test_clipped_grad_microbatches_on_meshes():
+    """Under jit on a mesh that splits the batch: microbatch k holds rows k, k + steps, ...,
+    so each device keeps its own rows (no all-gather of the batch on an Auto mesh, and
+    an Explicit mesh can place them); a microbatch size that cannot split evenly on an
+    Explicit mesh is a ValueError naming the sizes that can."""
+    x, y, params = _data()
+    want = _want(x, y, params)
+    g = jaxclip.clipped_grad(_loss, C, microbatch_size=16, return_norms=True,
+                             batch_argnums=(1, 2))  # fmt: skip
+    call = jax.jit(lambda p, a, b: g(p, a, b))
+    for kind in (AxisType.Auto, AxisType.Explicit):
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+        rows = NamedSharding(mesh, P("data"))
+        args = (params, jax.device_put(x, rows), jax.device_put(y, rows))
+        with jax.set_mesh(mesh):
+            s, aux = call(*args)
+            _close(s, aux.norms, want)
+            if kind == AxisType.Auto:
+                text = call.lower(*args).compile().as_text()
+                assert not re.findall(r"all-gather\(", text)
+            else:
+                bad = jaxclip.clipped_grad(_loss, C, microbatch_size=12, batch_argnums=(1, 2))
+                with pytest.raises(ValueError, match=r"multiple of 8 that divides 64 \(one of"):
+                    jax.jit(bad)(*args)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_adaptive_norms_noise_and_mean_over_data_parallel_devices(reduce):
+    """``adaptive_clip_per_example(norms=...)`` fed by ``clipped_grad`` on 8 data-parallel
+    devices: the noise of the aggregate has the single-device std (``z * C``, over the
+    batch for the mean) whether the sums are added before the update (each device draws
+    the whole noise, alike) or after (each draws its share, independently); the mean of
+    unclipped examples (all ones) is 1 either way."""
+    z, c, d = 1.5, 2.0, 4096
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    rows = NamedSharding(mesh, P("data"))
+    w = jnp.zeros(d)
+    for noise, scale in ((z, 0.0), (0.0, 1.0)):  # pure noise; then the signal alone
+        tx = jaxclip.adaptive_clip_per_example(
+            c, noise_multiplier=noise, clipped_count_stddev=0.0, reduce=reduce
+        )
+        st = tx.init(w)
+        loss = lambda w, x, k=scale: k * jnp.sum(w * x)  # noqa: E731  the gradient: k * x
+        xs = jax.device_put(np.full((B, d), 1.0 / 64, np.float32), rows)  # norm 1 <= c
+        outs = []
+        for first in (True, False):
+
+            def step(xb, first=first, tx=tx, st=st, loss=loss):
+                s, aux = jaxclip.clipped_grad(loss, st.clip_norm, return_norms=True)(w, xb)
+                if first:
+                    s = jax.lax.psum(s, "data")
+                u = tx.update(s, st, norms=aux.norms)[0]
+                if not first:
+                    u = jax.lax.psum(u, "data") if reduce == "sum" else jax.lax.pmean(u, "data")
+                return u
+
+            f = jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P())
+            outs.append(np.asarray(jax.jit(f)(xs), np.float64))
+        for out in outs:
+            if noise:  # 4096 draws: the std's relative sd is 1.1%
+                want = z * c / (B if reduce == "mean" else 1)
+                assert abs(out.std() / want - 1) < 0.05, (out.std(), want)
+            else:
+                want = 1.0 / 64 * (1 if reduce == "mean" else B)
+                np.testing.assert_allclose(out, want, rtol=1e-6)
