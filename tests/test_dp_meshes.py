@@ -119,6 +119,23 @@ def test_clipped_grad_microbatches_on_meshes():
                 bad = jaxclip.clipped_grad(_loss, C, microbatch_size=12, batch_argnums=(1, 2))
                 with pytest.raises(ValueError, match=r"multiple of 8 that divides 64 \(one of"):
                     jax.jit(bad)(*args)
+                # The batch replicated: any microbatch size (here one that pads).
+                rep = NamedSharding(mesh, P(None))
+                whole = (params, jax.device_put(x, rep), jax.device_put(y, rep))
+                s, aux = jax.jit(lambda p, a, b: jaxclip.clipped_grad(
+                    _loss, C, microbatch_size=12, return_norms=True, batch_argnums=(1, 2)
+                )(p, a, b))(*whole)  # fmt: skip
+                _close(s, aux.norms, want)
+    # The batch split over two axes of an Explicit 2x4 mesh: 8 devices.
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    args = (params, jax.device_put(x, rows), jax.device_put(y, rows))
+    with jax.set_mesh(mesh):
+        s, aux = call(*args)
+        _close(s, aux.norms, want)
+        bad = jaxclip.clipped_grad(_loss, C, microbatch_size=4, batch_argnums=(1, 2))
+        with pytest.raises(ValueError, match=r"\('data', 'fsdp'\) \(8 devices\)"):
+            jax.jit(bad)(*args)
 
 
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
@@ -153,6 +170,14 @@ def test_adaptive_norms_noise_and_mean_over_data_parallel_devices(reduce):
 
             f = jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P())
             outs.append(np.asarray(jax.jit(f)(xs), np.float64))
+        if noise:  # one device: the whole noise, for norms= and for clip_per_example
+            x0 = np.zeros((4, d), np.float32)
+            per_row = 4 / B if reduce == "mean" else 1  # 4 rows, not B
+            u = jax.jit(lambda s, n, tx=tx, st=st: tx.update(s, st, norms=n)[0])
+            outs.append(np.asarray(u(x0.sum(0), jnp.zeros(4))) * per_row)
+            cpe = jaxclip.clip_per_example(c, noise_multiplier=z, reduce=reduce)
+            u = jax.jit(lambda g, cpe=cpe: cpe.update(g, cpe.init(w))[0])
+            outs.append(np.asarray(u(x0)) * per_row)
         for out in outs:
             if noise:  # 4096 draws: the std's relative sd is 1.1%
                 want = z * c / (B if reduce == "mean" else 1)
