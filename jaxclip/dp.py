@@ -100,11 +100,12 @@ def clipped_grad(
     and are not counted as clipped.
 
     On a mesh that splits the batch: inside ``shard_map`` each device returns the clipped
-    sum of its own examples (``lax.psum`` them); the mesh axes every batch argument varies
-    across are the batch's, and the other axes a param varies across split its features
-    (tensor parallel). Under ``jit`` microbatch ``k`` holds rows ``k, k + steps, ...``, so
-    each device keeps its own rows; on an Explicit mesh ``microbatch_size`` must then be a
-    multiple of the batch's devices that divides the batch.
+    sum of its own examples (``lax.psum`` them); the mesh axes the batch arguments vary
+    across and no param does are the batch's, and the axes a param varies across split
+    its features (tensor parallel; params sharded over the batch's axes are an error).
+    Under ``jit`` microbatch ``k`` holds rows ``k, k + steps, ...``, so each device keeps
+    its own rows where ``microbatch_size`` is a multiple of the batch's devices that
+    divides the batch (on an Explicit mesh, any other size is an error).
 
     The sum's L2 sensitivity (add/remove one example) is ``clip_norm``, or
     ``sqrt(sum_g c_g**2)`` with a dict of per-group clip norms. Add the noise yourself
@@ -225,7 +226,7 @@ def clipped_grad(
                     "padding rows."
                 )
             valid = ~mask
-        args, axes = _data_parallel(args, grad_nums, batch_nums, np.ndim(argnums) == 0)
+        args, axes = _data_parallel(args, grad_nums, batch_nums, np.ndim(argnums) == 0, fn)
         m = batch if size is None else max(min(size, batch), 1)
         steps = max(-(-batch // m), 1)
         rows = steps * m
@@ -252,20 +253,22 @@ def clipped_grad(
         else:
             # Microbatch k holds rows k, k + steps, ...: on a mesh that splits the batch,
             # each device keeps its rows in every microbatch (contiguous microbatches
-            # would each live on a few devices, gathered to all of them).
-            split = jax.tree.map(lambda x: _strided(x, m, steps), (batched, ok))
-            first = jax.tree.map(lambda x: x[0], split)
+            # would each live on a few devices, gathered to all of them). Read in the
+            # loop from the rows as (m, steps): no transposed copy of the batch.
+            split = jax.tree.map(lambda x: x.reshape(m, steps, *x.shape[1:]), (batched, ok))
+            first = jax.tree.map(lambda x: lax.index_in_dim(x, 0, 1, False), split)
             shapes = jax.eval_shape(micro, *first)[0]
             leaves, treedef = jax.tree.flatten(shapes)
             acc = [i for i, s in enumerate(leaves) if jnp.issubdtype(s.dtype, jnp.inexact)]
 
-            def body(carry: list[Array], xs: Any) -> tuple[list[Array], Any]:
+            def body(carry: list[Array], k: Array) -> tuple[list[Array], Any]:
+                xs = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, k, 1, False), split)
                 s, ys = micro(*xs)
                 flat = jax.tree.leaves(s)
                 return [c + flat[i] for c, i in zip(carry, acc)], ys
 
             zeros = [_zeros(leaves[i]) for i in acc]
-            carry, ys = lax.scan(body, zeros, split, unroll=unroll)
+            carry, ys = lax.scan(body, zeros, jnp.arange(steps), unroll=unroll)
             out: list[Any] = [np.zeros(s.shape, s.dtype) for s in leaves]  # float0 leaves
             for i, c in zip(acc, carry):
                 out[i] = c
@@ -286,7 +289,11 @@ def clipped_grad(
 
 
 def _data_parallel(
-    args: tuple[Any, ...], grad_nums: tuple[int, ...], batch_nums: tuple[int, ...], one: bool
+    args: tuple[Any, ...],
+    grad_nums: tuple[int, ...],
+    batch_nums: tuple[int, ...],
+    one: bool,
+    fn: str,
 ) -> tuple[tuple[Any, ...], Any]:
     """Inside ``shard_map`` with the batch split over mesh axes (data parallel): the
     differentiated arguments cast to vary across those axes, and the axis names of each
@@ -299,19 +306,29 @@ def _data_parallel(
     Elsewhere (no split batch, ``pmap``, ``check_vma=False``) nothing changes."""
     if not _norms.vma_tracked():
         return args, None
-    # The axes every batch leaf varies across split the batch (the labels' axes, where
-    # the data's features are split further, over a tensor-parallel axis).
-    each = [_norms.varying(x) for i in batch_nums for x in jax.tree.leaves(args[i])]
-    split = set(frozenset.intersection(*each)) if each else set()
+    # The batch's axes: those the batch varies across and no param does (a param's axes
+    # split its features: tensor parallel, where the data's features are split alike).
+    batch = {a for i in batch_nums for x in jax.tree.leaves(args[i]) for a in _norms.varying(x)}
+    params = {a for i in grad_nums for x in jax.tree.leaves(args[i]) for a in _norms.varying(x)}
+    split = batch - params
     if not split:
+        if batch:
+            raise ValueError(
+                f"jaxclip.{fn}: inside shard_map the batch arguments vary across the mesh "
+                f"axes {tuple(sorted(batch))}, and so do the params, so none of them can be "
+                "the batch's (a param's axes split its features). Pass the params "
+                "replicated over the axes that split the batch (in_specs without them; "
+                "clipped_grad casts them itself, no lax.pcast): per-example gradients of "
+                "params sharded over the batch's devices (FSDP) mix those devices' examples."
+            )
         return args, None
 
     def cast(x: Any) -> Any:
         missing = tuple(sorted(split - _norms.varying(x)))
         return lax.pcast(x, missing, to="varying") if missing else x
 
-    def own(x: Any) -> tuple[str, ...]:  # a param cast to vary across the batch's axes too
-        return tuple(sorted(_norms.varying(x) - split))
+    def own(x: Any) -> tuple[str, ...]:
+        return tuple(sorted(_norms.varying(x)))
 
     grads_axes = [jax.tree.map(own, args[i]) for i in grad_nums]
     cast_args = tuple(jax.tree.map(cast, a) if i in grad_nums else a for i, a in enumerate(args))
@@ -343,16 +360,9 @@ def _check_explicit_split(
                 )
 
 
-def _strided(x: Array, m: int, steps: int) -> Array:
-    """``x``'s ``m * steps`` rows as ``steps`` microbatches of ``m``, the k-th holding rows
-    ``k, k + steps, k + 2 * steps, ...`` (each device's share of every microbatch where
-    the rows are split across devices)."""
-    return jnp.swapaxes(x.reshape(m, steps, *x.shape[1:]), 0, 1)
-
-
 def _unstrided(y: Array, rows: int) -> Array:
-    """Per-example results of :func:`_strided` microbatches (``(steps, m, ...)``) back in
-    the rows' order."""
+    """Per-example results of strided microbatches (``(steps, m, ...)``, microbatch k of
+    rows ``k, k + steps, ...``) back in the rows' order."""
     return jnp.swapaxes(y, 0, 1).reshape(rows, *y.shape[2:])
 
 
@@ -518,9 +528,11 @@ def adaptive_clip_per_example(
     ``clip_norm=state.clip_norm`` and ``return_norms=True``) and its per-example norms:
     the memory-bounded way. ``is_padding_example=`` (bool, shape ``(B,)``) leaves padding
     rows out of the count. In ``optax.chain`` both keywords reach this transformation.
-    Data parallel inside ``shard_map``, pass each device's sum (then ``psum`` or ``pmean``
-    the update, as for :func:`clip_per_example`: each device draws its share of the
-    noise) or the sum over the devices (the update is then the same on every device).
+    Data parallel inside ``shard_map``, pass each device's sum (then ``psum`` the update
+    for ``reduce="sum"``, ``pmean`` it for ``"mean"``, as for :func:`clip_per_example`:
+    each device draws its share of the noise) or the sum over the devices (the update is
+    then the same on every device; not under ``pmap`` or ``check_vma=False``, where the
+    sums must be each device's).
 
     Privacy: the count and the sum are two Gaussian mechanisms; with the noise multiplier
     ``z`` of your accounting, pass
@@ -744,7 +756,9 @@ def _noised_sum(
                 share = 1 / math.sqrt(math.prod(jax.lax.axis_size(a) for a in partial))
             total = total + per_example.normal(k, total, std * share)
         if reduce == "mean":
+            # Untracked (pmap, check_vma=False): each device's sum, as documented.
             summed = [a for a in split if a not in _norms.varying(total)]
+            summed = summed if _norms.vma_tracked() else []
             count = rows * math.prod(jax.lax.axis_size(a) for a in summed)
             total = total / jnp.asarray(count, total.real.dtype)
         leaves[i] = total.astype(x.dtype)

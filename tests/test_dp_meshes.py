@@ -185,3 +185,57 @@ def test_adaptive_norms_noise_and_mean_over_data_parallel_devices(reduce):
             else:
                 want = 1.0 / 64 * (1 if reduce == "mean" else B)
                 np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_clipped_grad_finds_the_batch_axes_from_the_params():
+    """The batch's axes are those the batch varies across and no param does: one batch
+    argument whose features are split over "model" like the params (tensor parallel),
+    a batch leaf made inside the body (per-example weights, varying across nothing), and
+    params sharded over the batch's own axis (FSDP: a ValueError, no silent mixing)."""
+    x, _, params = _data()
+    w = params["w"]
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))  # noqa: E731
+    r = x.astype(np.float64) @ w - 1.0
+    norms = np.abs(r) * np.linalg.norm(x, axis=1)
+    want = (np.minimum(1.0, C / norms)[:, None] * r[:, None] * x).sum(0)
+
+    def tp_loss(w, xr, cr):  # one example, its features split over "model"; a weight cr
+        return 0.5 * cr * (lax.psum(xr @ w, "model") - 1.0) ** 2
+
+    def step(w, xb):
+        g = jaxclip.clipped_grad(tp_loss, C, return_norms=True, batch_argnums=(1, 2))
+        s, aux = g(w, xb, jnp.ones(xb.shape[0]))
+        return lax.psum(s, "data"), aux.norms
+
+    f = jax.shard_map(step, mesh=mesh, in_specs=(P("model"), P("data", "model")),
+                      out_specs=(P("model"), P("data")))  # fmt: skip
+    s, n = jax.jit(f)(put(w, P("model")), put(x, P("data", "model")))
+    # float32's x @ w - 1 cancels where x is small: 3e-6 of such a residual
+    np.testing.assert_allclose(np.asarray(s, np.float64), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(n, np.float64), norms, rtol=1e-5)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+
+    def fsdp_loss(w, xr):  # the params' shards gathered for each example
+        return 0.5 * (xr @ lax.all_gather(w, "data", tiled=True) - 1.0) ** 2
+
+    def fsdp_step(w, xb):
+        return lax.psum(jaxclip.clipped_grad(fsdp_loss, C)(w, xb), "data")
+
+    f = jax.shard_map(fsdp_step, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"))
+    with pytest.raises(ValueError, match=r"clipped_grad: inside shard_map .*\(FSDP\)"):
+        jax.jit(f)(put(w, P("data")), put(x, P("data")))
+
+
+def test_adaptive_norms_mean_under_pmap_is_each_devices_sum():
+    """Under ``pmap`` (no varying-axis types) the update's mean is over each device's rows,
+    so the ``pmean`` of the updates is the mean of every example (all ones: 1)."""
+    tx = jaxclip.adaptive_clip_per_example(4.0, reduce="mean")
+    st = tx.init(jnp.zeros(4))
+
+    def step(xb):
+        s, norms = jaxclip.clip_tree_per_example(xb, st.clip_norm, axis_name=())
+        return jax.lax.pmean(tx.update(s, st, norms=norms)[0], "data")
+
+    out = jax.pmap(step, axis_name="data")(np.ones((8, 8, 4), np.float32))
+    np.testing.assert_array_equal(np.asarray(out), 1.0)
