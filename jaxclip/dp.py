@@ -77,6 +77,7 @@ def clipped_grad(
     return_norms: bool = False,
     return_values: bool = False,
     unroll: int | bool = 1,
+    batch_axis_name: str | Sequence[str] | None = None,
 ) -> Callable[..., Any]:
     """The sum (or mean) of the clipped per-example gradients of ``loss_fn``, in microbatches.
 
@@ -100,9 +101,10 @@ def clipped_grad(
     and are not counted as clipped.
 
     On a mesh that splits the batch: inside ``shard_map`` each device returns the clipped
-    sum of its own examples (``lax.psum`` them); the mesh axes the batch arguments vary
-    across and no param does are the batch's, and the axes a param varies across split
-    its features (tensor parallel; params sharded over the batch's axes are an error).
+    sum of its own examples (``lax.psum`` them over the batch's axes, ``batch_axis_name``);
+    the axes a param varies across split its features (tensor parallel; params sharded
+    over the batch's axes, FSDP, are an error). This needs ``check_vma=True``: under
+    ``pmap`` and ``check_vma=False`` only replicated params are supported.
     Under ``jit`` microbatch ``k`` holds rows ``k, k + steps, ...``, so each device keeps
     its own rows where ``microbatch_size`` is a multiple of the batch's devices that
     divides the batch (on an Explicit mesh, any other size is an error).
@@ -141,6 +143,9 @@ def clipped_grad(
         outside it (a plain ``scan`` over ``vmap(grad)`` too, and jax-privacy's
         microbatches alike); ``unroll=True`` removes the loop, at the cost of compile
         time and of more memory than one microbatch (still less than the whole batch).
+      batch_axis_name: inside ``shard_map``, the mesh axes that split the batch (data
+        parallel); None: those the batch arguments vary across and no other argument
+        does, a ValueError where that is ambiguous.
 
     Returns:
       A function of ``loss_fn``'s arguments (and the keyword ``is_padding_example``) that
@@ -188,6 +193,7 @@ def clipped_grad(
     size = None
     if microbatch_size is not None:
         size = _checks.static_size(microbatch_size, "microbatch_size", fn)
+    batch_names = None if batch_axis_name is None else _axis_names(batch_axis_name, fn)
     grad_nums = _argnums(argnums, "argnums", fn)
     batch_nums = _argnums(batch_argnums, "batch_argnums", fn)
     if set(grad_nums) & set(batch_nums):
@@ -226,7 +232,8 @@ def clipped_grad(
                     "padding rows."
                 )
             valid = ~mask
-        args, axes = _data_parallel(args, grad_nums, batch_nums, np.ndim(argnums) == 0, fn)
+        one = np.ndim(argnums) == 0
+        args, axes = _data_parallel(args, grad_nums, batch_nums, one, batch_names, fn)
         m = batch if size is None else max(min(size, batch), 1)
         steps = max(-(-batch // m), 1)
         rows = steps * m
@@ -293,35 +300,53 @@ def _data_parallel(
     grad_nums: tuple[int, ...],
     batch_nums: tuple[int, ...],
     one: bool,
+    batch_axes: tuple[str, ...] | None,
     fn: str,
 ) -> tuple[tuple[Any, ...], Any]:
-    """Inside ``shard_map`` with the batch split over mesh axes (data parallel): the
-    differentiated arguments cast to vary across those axes, and the axis names of each
-    gradient leaf (the other axes its param varies across, which split its features).
+    """Inside ``shard_map`` (``check_vma=True``): the differentiated arguments cast to vary
+    across the mesh axes that split the batch, and the axis names of each gradient leaf
+    (the axes its param varies across, which split its features: tensor parallel).
 
     A param that does not vary across an axis that splits the batch is broadcast to the
-    batch implicitly, and JAX transposes that broadcast into a ``psum``: each
-    example's gradient would be the sum of that example's row of every device. Cast, each
-    device's gradients are its own examples'; the caller ``psum``s the clipped sums.
-    Elsewhere (no split batch, ``pmap``, ``check_vma=False``) nothing changes."""
+    batch implicitly, and JAX transposes that broadcast into a ``psum``: each example's
+    gradient would be the sum of that example's row of every device. Cast, each device's
+    gradients are its own examples'; the caller ``psum``s the clipped sums.
+
+    The batch's axes (unless ``batch_axes`` names them): those the batch arguments vary
+    across and no other argument does (the other arguments' axes split features). An axis
+    every batch leaf and some other argument vary across is either (FSDP params, or the
+    data's features split like the params'): a ValueError asks which. Elsewhere (``pmap``,
+    ``check_vma=False``) nothing changes."""
     if not _norms.vma_tracked():
         return args, None
-    # The batch's axes: those the batch varies across and no param does (a param's axes
-    # split its features: tensor parallel, where the data's features are split alike).
-    batch = {a for i in batch_nums for x in jax.tree.leaves(args[i]) for a in _norms.varying(x)}
-    params = {a for i in grad_nums for x in jax.tree.leaves(args[i]) for a in _norms.varying(x)}
-    split = batch - params
-    if not split:
-        if batch:
+
+    def axes_of(nums: Sequence[int]) -> list[frozenset[str]]:
+        return [_norms.varying(x) for i in nums for x in jax.tree.leaves(args[i])]
+
+    each = axes_of(batch_nums)
+    others = set().union(*axes_of([i for i in range(len(args)) if i not in batch_nums]))
+    if batch_axes is None:
+        both = set(frozenset.intersection(*each)) & others if each else set()
+        if both:
             raise ValueError(
-                f"jaxclip.{fn}: inside shard_map the batch arguments vary across the mesh "
-                f"axes {tuple(sorted(batch))}, and so do the params, so none of them can be "
-                "the batch's (a param's axes split its features). Pass the params "
-                "replicated over the axes that split the batch (in_specs without them; "
-                "clipped_grad casts them itself, no lax.pcast): per-example gradients of "
-                "params sharded over the batch's devices (FSDP) mix those devices' examples."
+                f"jaxclip.{fn}: inside shard_map every batch argument varies across the mesh "
+                f"axes {tuple(sorted(both))}, and so does a param (or another argument): "
+                "jaxclip cannot tell whether they split the batch or the features. Pass "
+                "batch_axis_name= (the axes that split the batch; e.g. 'data'). Params "
+                "sharded over the batch's axes (FSDP) are not supported: per-example "
+                "gradients through their all_gather mix the devices' examples."
             )
-        return args, None
+        split = set().union(*each) - others
+    else:
+        split = set(batch_axes)
+        sharded = split & set().union(*axes_of(grad_nums))
+        if sharded:
+            raise ValueError(
+                f"jaxclip.{fn}: a param varies across {tuple(sorted(sharded))}, which "
+                f"batch_axis_name={batch_axes!r} says split the batch. Params sharded over "
+                "the batch's axes (FSDP) are not supported: per-example gradients through "
+                "their all_gather mix the devices' examples. Pass them replicated there."
+            )
 
     def cast(x: Any) -> Any:
         missing = tuple(sorted(split - _norms.varying(x)))
@@ -332,6 +357,9 @@ def _data_parallel(
 
     grads_axes = [jax.tree.map(own, args[i]) for i in grad_nums]
     cast_args = tuple(jax.tree.map(cast, a) if i in grad_nums else a for i, a in enumerate(args))
+    entries = set(jax.tree.leaves(grads_axes, is_leaf=lambda v: isinstance(v, tuple)))
+    if len(entries) <= 1:  # one entry for every leaf: no per-leaf resolution to trace
+        return cast_args, entries.pop() if entries else ()
     return cast_args, grads_axes[0] if one else tuple(grads_axes)
 
 
@@ -372,6 +400,16 @@ def _zeros(like: jax.ShapeDtypeStruct) -> Array:
     zeros = jnp.zeros(like.shape, like.dtype)
     axes = tuple(sorted(_norms.varying(like)))
     return lax.pcast(zeros, axes, to="varying") if axes else zeros
+
+
+def _axis_names(value: Any, fn: str) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"jaxclip.{fn}: batch_axis_name={value!r}; pass a mesh axis name (str) or a "
+            "tuple of them."
+        )
+    return tuple(names)
 
 
 def _batch_of(args: Sequence[Any], batch_nums: tuple[int, ...], fn: str) -> int:

@@ -214,17 +214,43 @@ def test_clipped_grad_finds_the_batch_axes_from_the_params():
     # float32's x @ w - 1 cancels where x is small: 3e-6 of such a residual
     np.testing.assert_allclose(np.asarray(s, np.float64), want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(n, np.float64), norms, rtol=1e-5)
+    # The data alone, split like the params over "model": ambiguous (FSDP, or features)
+    # until batch_axis_name says which axes split the batch.
+    for names in (None, "data"):
+
+        def alone(w, xb, names=names):
+            g = jaxclip.clipped_grad(lambda w, xr: tp_loss(w, xr, 1.0), C, batch_axis_name=names)
+            return lax.psum(g(w, xb), "data")
+
+        f = jax.shard_map(alone, mesh=mesh, in_specs=(P("model"), P("data", "model")),
+                          out_specs=P("model"))  # fmt: skip
+        args = (put(w, P("model")), put(x, P("data", "model")))
+        if names is None:
+            with pytest.raises(
+                ValueError, match=r"'model',\), and so does a param.*batch_axis_name"
+            ):
+                jax.jit(f)(*args)
+        else:
+            s = jax.jit(f)(*args)
+            np.testing.assert_allclose(np.asarray(s, np.float64), want, rtol=1e-5, atol=1e-6)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
 
     def fsdp_loss(w, xr):  # the params' shards gathered for each example
         return 0.5 * (xr @ lax.all_gather(w, "data", tiled=True) - 1.0) ** 2
 
-    def fsdp_step(w, xb):
-        return lax.psum(jaxclip.clipped_grad(fsdp_loss, C)(w, xb), "data")
+    for names, error in (
+        (None, r"inside shard_map .*\(FSDP\)"),
+        ("data", r"=\('data',\) says split"),
+    ):
 
-    f = jax.shard_map(fsdp_step, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"))
-    with pytest.raises(ValueError, match=r"clipped_grad: inside shard_map .*\(FSDP\)"):
-        jax.jit(f)(put(w, P("data")), put(x, P("data")))
+        def fsdp_step(w, xb, names=names):
+            g = jaxclip.clipped_grad(fsdp_loss, C, batch_axis_name=names)
+            return lax.psum(g(w, xb), "data")
+
+        f = jax.shard_map(fsdp_step, mesh=mesh, in_specs=(P("data"), P("data")),
+                          out_specs=P("data"))  # fmt: skip
+        with pytest.raises(ValueError, match=error):
+            jax.jit(f)(put(w, P("data")), put(x, P("data")))
 
 
 def test_adaptive_norms_mean_under_pmap_is_each_devices_sum():
