@@ -265,3 +265,35 @@ def test_adaptive_norms_mean_under_pmap_is_each_devices_sum():
 
     out = jax.pmap(step, axis_name="data")(np.ones((8, 8, 4), np.float32))
     np.testing.assert_array_equal(np.asarray(out), 1.0)
+
+
+def test_clipped_grad_pure_tensor_parallel():
+    """No axis splits the batch (the data replicated over "model"): each param's own axes
+    split its features, so a column-split W1 and a row-split W2 have each example's norm
+    combined over "model"; the replicated bias counts once."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(16, 6)), rng.normal(size=16)
+    w1, w2, b = rng.normal(size=(6, 8)) * 0.5, rng.normal(size=8) * 0.5, 0.3
+
+    def loss(p, xr, yr):
+        h = jnp.tanh(xr @ p["W1"])
+        return 0.5 * (lax.psum(h @ p["W2"], "model") + p["b"] - yr) ** 2
+
+    h = np.tanh(x @ w1)
+    r = h @ w2 + b - y
+    g1 = r[:, None, None] * x[:, :, None] * (w2 * (1 - h**2))[:, None, :]
+    g2, gb = r[:, None] * h, r
+    n = np.sqrt((g1**2).sum((1, 2)) + (g2**2).sum(1) + gb**2)
+    f = np.minimum(1.0, C / n)
+    mesh = jax.make_mesh((4,), ("model",), axis_types=(AxisType.Explicit,))
+    specs = {"W1": P(None, "model"), "W2": P("model"), "b": P()}
+    g = jaxclip.clipped_grad(loss, C, microbatch_size=4, return_norms=True, batch_argnums=(1, 2))
+    body = jax.shard_map(lambda p, a, c: (lambda s, aux: (s, aux.norms))(*g(p, a, c)), mesh=mesh,
+                         in_specs=(specs, P(), P()), out_specs=(specs, P()))  # fmt: skip
+    p = {k: jax.device_put(np.asarray(v, np.float32), NamedSharding(mesh, specs[k]))
+         for k, v in {"W1": w1, "W2": w2, "b": b}.items()}  # fmt: skip
+    s, norms = jax.jit(body)(p, x.astype(np.float32), y.astype(np.float32))
+    np.testing.assert_allclose(np.asarray(norms, np.float64), n, rtol=1e-5)
+    for k, want in (("W1", (f[:, None, None] * g1).sum(0)), ("W2", (f[:, None] * g2).sum(0)),
+                    ("b", (f * gb).sum())):  # fmt: skip
+        np.testing.assert_allclose(np.asarray(s[k], np.float64), want, rtol=1e-5, atol=1e-6)
