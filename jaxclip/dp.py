@@ -359,7 +359,7 @@ def _data_parallel(
     cast_args = tuple(jax.tree.map(cast, a) if i in grad_nums else a for i, a in enumerate(args))
     entries = set(jax.tree.leaves(grads_axes, is_leaf=lambda v: isinstance(v, tuple)))
     if len(entries) <= 1:  # one entry for every leaf: no per-leaf resolution to trace
-        return cast_args, entries.pop() if entries else ()
+        return cast_args, min(entries, default=())
     return cast_args, grads_axes[0] if one else tuple(grads_axes)
 
 
