@@ -144,8 +144,10 @@ def clipped_grad(
         microbatches alike); ``unroll=True`` removes the loop, at the cost of compile
         time and of more memory than one microbatch (still less than the whole batch).
       batch_axis_name: inside ``shard_map``, the mesh axes that split the batch (data
-        parallel); None: those the batch arguments vary across and no other argument
-        does, a ValueError where that is ambiguous.
+        parallel); None: those the batch arguments vary across and no param does, a
+        ValueError where that is ambiguous (an axis a per-device key or a frozen sharded
+        argument varies across too). Given, each name must be an axis the batch varies
+        across, and every axis only the batch varies across must be named.
 
     Returns:
       A function of ``loss_fn``'s arguments (and the keyword ``is_padding_example``) that
@@ -313,10 +315,11 @@ def _data_parallel(
     gradients are its own examples'; the caller ``psum``s the clipped sums.
 
     The batch's axes (unless ``batch_axes`` names them): those the batch arguments vary
-    across and no other argument does (the other arguments' axes split features). An axis
-    every batch leaf and some other argument vary across is either (FSDP params, or the
-    data's features split like the params'): a ValueError asks which. Elsewhere (``pmap``,
-    ``check_vma=False``) nothing changes."""
+    across and no param does (a param's axes split its features). An axis every batch
+    leaf and some param vary across (FSDP params, or the data's features split like the
+    params'), or one the batch and another argument vary across and no param does (a
+    per-device key, or a frozen sharded part of the model), is ambiguous: a ValueError
+    asks which. Elsewhere (``pmap``, ``check_vma=False``) nothing changes."""
     if not _norms.vma_tracked():
         return args, None
 
@@ -324,22 +327,37 @@ def _data_parallel(
         return [_norms.varying(x) for i in nums for x in jax.tree.leaves(args[i])]
 
     each = axes_of(batch_nums)
-    others = set().union(*axes_of([i for i in range(len(args)) if i not in batch_nums]))
+    batch = set().union(*each)
+    params = set().union(*axes_of(grad_nums))
+    rest = [i for i in range(len(args)) if i not in batch_nums and i not in grad_nums]
+    others = set().union(*axes_of(rest)) - params
     if batch_axes is None:
-        both = set(frozenset.intersection(*each)) & others if each else set()
+        # Ambiguous: an axis every batch leaf and a param vary across (FSDP, or the
+        # data's features split like the params'), or one the batch and another argument
+        # vary across and no param does (a per-device key, or a frozen sharded part).
+        both = (set(frozenset.intersection(*each)) & params if each else set()) | (batch & others)
         if both:
             raise ValueError(
-                f"jaxclip.{fn}: inside shard_map every batch argument varies across the mesh "
-                f"axes {tuple(sorted(both))}, and so does a param (or another argument): "
+                f"jaxclip.{fn}: inside shard_map the batch arguments vary across the mesh "
+                f"axes {tuple(sorted(both))}, and so does a param or another argument: "
                 "jaxclip cannot tell whether they split the batch or the features. Pass "
                 "batch_axis_name= (the axes that split the batch; e.g. 'data'). Params "
                 "sharded over the batch's axes (FSDP) are not supported: per-example "
                 "gradients through their all_gather mix the devices' examples."
             )
-        split = set().union(*each) - others
+        split = batch - params
     else:
         split = set(batch_axes)
-        sharded = split & set().union(*axes_of(grad_nums))
+        unknown = split - set(_norms.manual_axes())
+        unnamed = batch - params - others - split
+        if unknown or unnamed or split - batch:
+            raise ValueError(
+                f"jaxclip.{fn}: batch_axis_name={batch_axes!r}, but inside this shard_map "
+                f"the batch arguments vary across {tuple(sorted(batch))} (the mesh axes "
+                f"{tuple(_norms.manual_axes())}); no param varies across "
+                f"{tuple(sorted(batch - params))}. Name the axes that split the batch."
+            )
+        sharded = split & params
         if sharded:
             raise ValueError(
                 f"jaxclip.{fn}: a param varies across {tuple(sorted(sharded))}, which "

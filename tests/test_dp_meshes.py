@@ -297,3 +297,41 @@ def test_clipped_grad_pure_tensor_parallel():
     for k, want in (("W1", (f[:, None, None] * g1).sum(0)), ("W2", (f[:, None] * g2).sum(0)),
                     ("b", (f * gb).sum())):  # fmt: skip
         np.testing.assert_allclose(np.asarray(s[k], np.float64), want, rtol=1e-5, atol=1e-6)
+
+
+def test_clipped_grad_batch_axes_ambiguous_or_misnamed():
+    """A per-device argument (a dropout key folded with the device's index) varies across
+    "data" like the batch: default, a ValueError asks for batch_axis_name; named, the sums
+    and norms are each example's. A batch_axis_name that leaves out an axis only the batch
+    varies across, names one it does not, or is not a mesh axis, is a ValueError."""
+    x, y, params = _data()
+    want = _want(x, y, params)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    rows = NamedSharding(mesh, P("data"))
+    xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
+
+    def loss(p, xr, yr, key):  # the key does not change the loss; it varies across "data"
+        return _loss(p, xr, yr) + 0.0 * jax.random.uniform(key)
+
+    def run(names, keyed=True):
+        def step(xb, yb):
+            key = jax.random.key(0)
+            if keyed:
+                key = jax.random.fold_in(key, lax.axis_index("data"))
+            g = jaxclip.clipped_grad(loss, C, return_norms=True, batch_argnums=(1, 2),
+                                     batch_axis_name=names)  # fmt: skip
+            s, aux = g(params, xb, yb, key)
+            return lax.psum(s, "data"), aux.norms
+
+        f = jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P("data")),
+                          out_specs=(P(), P("data")))  # fmt: skip
+        return jax.jit(f)(xs, ys)
+
+    with pytest.raises(ValueError, match=r"\('data',\), and so does a param or another"):
+        run(None)
+    s, norms = run("data")
+    _close(s, norms, want)
+    # Named, the axes another argument varies across are taken as given.
+    for names in ((), "nope"):
+        with pytest.raises(ValueError, match=r"batch_axis_name=.*Name the axes that split"):
+            run(names, keyed=False)
