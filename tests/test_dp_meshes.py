@@ -50,7 +50,10 @@ def _close(s, norms, want):
     np.testing.assert_allclose(np.asarray(norms, np.float64), wn, rtol=2e-6)
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize(
+    "check_vma",
+    [True, pytest.param(False, marks=pytest.mark.slow)],  # suite budget
+)
 def test_clipped_grad_inside_data_parallel_shard_map(check_vma):
     """Each device's sum is its own examples' (replicated params: JAX would otherwise
     transpose their broadcast into a psum over "data", mixing the devices' examples)."""
@@ -138,7 +141,10 @@ def test_clipped_grad_microbatches_on_meshes():
             jax.jit(bad)(*args)
 
 
-@pytest.mark.parametrize("reduce", ["sum", "mean"])
+@pytest.mark.parametrize(
+    "reduce",
+    ["sum", pytest.param("mean", marks=pytest.mark.slow)],  # suite budget
+)
 def test_adaptive_norms_noise_and_mean_over_data_parallel_devices(reduce):
     """``adaptive_clip_per_example(norms=...)`` fed by ``clipped_grad`` on 8 data-parallel
     devices: the noise of the aggregate has the single-device std (``z * C``, over the
