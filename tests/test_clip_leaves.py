@@ -80,6 +80,7 @@ def test_derivative_of_a_clipped_and_a_kept_leaf():
     np.testing.assert_array_equal(np.asarray(tangents[1]), vs[1])
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_history_clippers_compile_one_set_of_factor_kernels_for_many_leaves():
     # 60 small leaves: quantile_clip (standard_clip shares its step) compiles about as
     # many kernels as the whole-leaf clip_by_norm transform (two per leaf more, 308 for

@@ -164,7 +164,11 @@ AGC_GRADS = {"a": P(None, "model"), "b": P(), "c": P("data", None), "e": P()}
 AGC_PARAMS = {"a": P("model", None), "b": P("model", None), "c": P(), "e": P(None, "model")}
 
 
-@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize(
+    "kind",
+    [AxisType.Auto, pytest.param(AxisType.Explicit, marks=pytest.mark.slow)],  # suite budget
+    ids=["auto", "explicit"],
+)
 def test_agc_with_params_placed_otherwise_than_gradients(kind):
     """AGC's params may be sharded otherwise than its gradients (replicated params beside
     row- or column-split gradients, as with ZeRO): the params' per-slice norms stacked
