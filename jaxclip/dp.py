@@ -276,7 +276,7 @@ def clipped_grad(
                 flat = jax.tree.leaves(s)
                 return [c + flat[i] for c, i in zip(carry, acc)], ys
 
-            zeros = [_zeros(leaves[i]) for i in acc]
+            zeros = [_norms.carry(s.shape, s.dtype, s) for s in (leaves[i] for i in acc)]
             carry, ys = lax.scan(body, zeros, jnp.arange(steps), unroll=unroll)
             out: list[Any] = [np.zeros(s.shape, s.dtype) for s in leaves]  # float0 leaves
             for i, c in zip(acc, carry):
@@ -410,14 +410,6 @@ def _unstrided(y: Array, rows: int) -> Array:
     """Per-example results of strided microbatches (``(steps, m, ...)``, microbatch k of
     rows ``k, k + steps, ...``) back in the rows' order."""
     return jnp.swapaxes(y, 0, 1).reshape(rows, *y.shape[2:])
-
-
-def _zeros(like: jax.ShapeDtypeStruct) -> Array:
-    """Zeros of ``like``'s shape and dtype that vary across the mesh axes it does (a
-    loop's carry inside ``shard_map``)."""
-    zeros = jnp.zeros(like.shape, like.dtype)
-    axes = tuple(sorted(_norms.varying(like)))
-    return lax.pcast(zeros, axes, to="varying") if axes else zeros
 
 
 def _axis_names(value: Any, fn: str) -> tuple[str, ...]:
@@ -689,6 +681,7 @@ def adaptive_clip_per_example(
                 axis_name, weights=valid,
             )  # fmt: skip
             norms = n[None]
+            split = per_example.batch_device_axes(norms)
         else:
             norms = jnp.asarray(norms)
             if norms.ndim != 1:
@@ -701,8 +694,7 @@ def adaptive_clip_per_example(
             std_sum = std if noisy_sum else None
             tree = _noised_sum(updates, std_sum, k_sum, reduce, rows, need_clip, split)
         # Data parallel: the examples of every device count (the norms vary across the
-        # axes that split the batch), and the count's noise is drawn once.
-        split = per_example.batch_device_axes(norms)
+        # axes that split the batch, ``split``), and the count's noise is drawn once.
         if rows:
             rows *= math.prod(jax.lax.axis_size(a) for a in split)
         expected = float(expected_num_records or rows or 1)  # rows: a static shape

@@ -39,6 +39,7 @@ from jaxclip._norms.arith import frexp as frexp
 from jaxclip._norms.arith import pow2 as pow2
 from jaxclip._norms.arith import result_dtype as result_dtype
 from jaxclip._norms.backend import Axes as Axes
+from jaxclip._norms.backend import carry as carry
 from jaxclip._norms.backend import max_keeping_nan as max_keeping_nan
 from jaxclip._norms.clip import Factor as Factor
 from jaxclip._norms.clip import apply_factors as apply_factors

@@ -365,7 +365,7 @@ def _looped_sum(flat: Array, elem: Elem, at: int, block: int, split: bool = Fals
             total = lax.dynamic_index_in_dim(sums, j, 0) + jnp.sum(elem(part, None), axis=at)
             return lax.dynamic_update_index_in_dim(sums, total, j, 0)
 
-        first = _carry((-(-chunks // block), *shape), out.dtype, flat)
+        first = carry((-(-chunks // block), *shape), out.dtype, flat)
         r = jnp.sum(lax.fori_loop(0, chunks, add, first), axis=0)
         if chunks * step < length:
             tail = lax.slice_in_dim(flat, chunks * step, length, axis=at)
@@ -412,15 +412,16 @@ def _looped_rows(rows: Array, elem: Elem) -> Array | None:
             sums_of_part = _row_sums(elem(part, None))
             return lax.dynamic_update_slice_in_dim(sums, sums_of_part, i * step, 0)
 
-        r = lax.fori_loop(0, chunks, add, _carry((count,), out.dtype, rows))
+        r = lax.fori_loop(0, chunks, add, carry((count,), out.dtype, rows))
         tail = _row_sums(elem(rows[chunks * step :], None))  # the rows left (maybe none)
         return lax.dynamic_update_slice_in_dim(r, tail, chunks * step, 0)
 
     return _on_cpu(loop, rows, lambda r: jnp.sum(elem(r, None), axis=1))
 
 
-def _carry(shape: Shape, dtype: Any, like: Array) -> Array:
-    """Zeros for a loop's sums over ``like``: inside ``shard_map`` they vary as it does."""
+def carry(shape: Shape, dtype: Any, like: Any) -> Array:
+    """Zeros for a loop's sums over ``like`` (an array or its ``jax.ShapeDtypeStruct``):
+    inside ``shard_map`` they vary as it does."""
     zeros = jnp.zeros(shape, dtype)
     axes = tuple(sorted(varying(like)))
     return lax.pcast(zeros, axes, to="varying") if axes else zeros

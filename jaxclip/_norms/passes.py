@@ -60,8 +60,9 @@ def max_abs(x: Array, axes: Axes, acc: np.dtype, fused: bool, parts: bool = Fals
         return reduce(x, elem, axes, "max", fused)
     # A sharded x is reduced across devices by XLA's float max, which can drop a NaN;
     # the maximum of the magnitudes' bits keeps it (and an empty x's 0 is placed as x).
-    # In x's own width: a magnitude widened first would be a full-size temporary.
-    m = elem(x, None) if jnp.iscomplexobj(x) else jnp.abs(x)  # complex: in its parts' width
+    # In x's own width: a magnitude widened first would be a full-size temporary (the
+    # bits drop a real x's sign themselves; a complex x's magnitude is in its parts' width).
+    m = elem(x, None) if jnp.iscomplexobj(x) else x
     dims = tuple(range(x.ndim)) if axes is None else axes
     top = jnp.max(magnitude_bits(m), axis=dims, keepdims=True, initial=0)
     return from_magnitude_bits(top, m.dtype).astype(acc)
