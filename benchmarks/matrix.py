@@ -232,25 +232,8 @@ def copy_bandwidth() -> float:
     over 256 MiB of float32, device-bound: calls queued, one wait), the median of 5."""
     x = jnp.arange(1 << 26, dtype=jnp.float32)
     double = jax.jit(lambda a: a * 2)
-    seconds = _time_queued([double], [(x,)], 5, 10)[0]
+    seconds = _time_interleaved([double], [(x,)], 5, 10)[0]
     return 2 * x.nbytes / statistics.median(seconds)
-
-
-def _time_queued(
-    fns: list[Callable], args: list[tuple], rounds: int, calls: int
-) -> list[list[float]]:
-    """Seconds per call with ``calls`` calls queued before one wait (device-bound on an
-    accelerator, where the blocking median also holds the host's dispatch), per round and
-    fn, fns alternating."""
-    for f, a in zip(fns, args):
-        jax.block_until_ready(f(*a))
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for i, (f, a) in enumerate(zip(fns, args)):
-            t0 = time.perf_counter()
-            jax.block_until_ready([f(*a) for _ in range(calls)])
-            times[i].append((time.perf_counter() - t0) / calls)
-    return times
 
 
 def floor_bytes(cell: Cell, grads: Any, params: Any) -> int:
@@ -311,7 +294,7 @@ def run_cell(
         _emit(theirs_compile_s=known)
     t_ours, t_theirs = _time_interleaved([c_ours, c_theirs], [args_ours, args_theirs], reps)
     if bandwidth > 0:
-        q_ours, q_theirs = _time_queued([c_ours, c_theirs], [args_ours, args_theirs], reps, 10)
+        q_ours, q_theirs = _time_interleaved([c_ours, c_theirs], [args_ours, args_theirs], reps, 10)
         floor_s = floor_bytes(cell, grads, params) / bandwidth
         _emit(
             device_ms=1e3 * statistics.median(q_ours),
