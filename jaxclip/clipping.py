@@ -218,7 +218,11 @@ def _clip_by_keys(x: Array, lo: Array, hi: Array) -> Array:
         klo, khi = _norms.spread(klo, x), _norms.spread(khi, x)
     below = lax.bitwise_and(lax.lt(k, klo), lax.le(klo, khi))
     keep = lax.bitwise_or(lax.eq(lax.clamp(klo, k, khi), k), nan)
-    return lax.select(keep, x, lax.select(below, _norms.spread(lo, x), _norms.spread(hi, x)))
+    # Selected as bits: XLA:CPU may compute a 16-bit select in float32, whose conversions
+    # flush a subnormal bound (or x) to 0.
+    bits = jnp.dtype(f"int{x.dtype.itemsize * 8}")
+    b, blo, bhi = (lax.bitcast_convert_type(_norms.spread(v, x), bits) for v in (x, lo, hi))
+    return lax.bitcast_convert_type(lax.select(keep, b, lax.select(below, blo, bhi)), x.dtype)
 
 
 def clip_tree_by_norm(

@@ -170,7 +170,9 @@ def test_no_widened_copy_of_bfloat16_for_fractional_norm_types(p):
         jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0, axes=0, norm_type=p)),
     ):
         temp = f.lower(g).compile().memory_analysis().temp_size_in_bytes
-        assert temp <= 0.02 * g[0].nbytes, temp  # an f32 copy would be 200%
+        # An f32 copy would be 200%; the leading axis's loop keeps a few column vectors
+        # (2.0% with jax 0.11.2's XLA, 1.6% with 0.10.2's).
+        assert temp <= 0.03 * g[0].nbytes, temp
 
 
 _VALUE_CLIP = jax.jit(lambda x, lo, hi: jaxclip.clip_tree_by_value(x, hi, lo))
