@@ -115,7 +115,18 @@ def check_norm_type(norm_type: Any) -> float:
             f"jaxclip: norm_type={norm_type!r} is not a valid norm; use p > 0 "
             "(2.0 for the Euclidean norm, 1.0, any positive float) or float('inf')."
         )
+    if p < MIN_NORM_TYPE:
+        raise ValueError(
+            f"jaxclip: norm_type={norm_type!r} is below 2**-10, the smallest p supported: "
+            "a p-norm's rounding error grows as 1/p (1e-3 relative at 2**-10), and two "
+            "nonzero elements of one magnitude already have a norm 2**(1/p) times it, "
+            "past any float's range. Use p >= 2**-10 (or 1.0 for the sum of magnitudes)."
+        )
     return p
+
+
+#: The smallest ``norm_type`` accepted (see :func:`check_norm_type`).
+MIN_NORM_TYPE = 2.0**-10
 
 
 def _show(value: Any) -> str:

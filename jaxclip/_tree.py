@@ -106,6 +106,12 @@ def shown(path: str) -> str:
 def leaf_dtype(leaf: Any, path: str) -> Any:
     """The dtype of an array-like leaf, or a TypeError naming its path."""
     dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and not _array_like(leaf):
+        raise TypeError(
+            f"jaxclip: the gradient leaf at {shown(path)} is a {type(leaf).__name__} (a "
+            "dtype and no values: from jax.eval_shape?), not an array. Pass the gradients "
+            "themselves."
+        )
     if dtype is not None:
         # A typed PRNG key's dtype (key<fry>) is JAX's own, not numpy's: not inexact, so
         # never selected by default, and a TypeError naming the leaf if asked for.
@@ -118,6 +124,10 @@ def leaf_dtype(leaf: Any, path: str) -> Any:
             "not an array. Gradient pytrees may hold arrays, None and optax.MaskedNode; "
             "move other objects out of the tree (for example with eqx.partition)."
         ) from e
+
+
+def _array_like(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "__jax_array__")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -867,7 +867,7 @@ def skip_large_updates(
         default) skips only non-finite steps.
       max_consecutive_errors: how many bad steps in a row are skipped before one is
         applied, an int >= 0 (may be traced), or None to never apply a bad step.
-      norm_type: ``p > 0`` or ``float('inf')``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``.
       need_clip: which leaves count towards the norm (see :func:`jaxclip.clip_by_value`).
       axis_name: the mapped axes the global norm is combined over: not needed under
         ``jit`` nor inside ``shard_map`` (each leaf over the mesh axes it varies

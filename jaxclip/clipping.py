@@ -78,7 +78,7 @@ def global_norm(
 
     Args:
       tree: a pytree of arrays.
-      norm_type: ``p > 0`` or ``float('inf')``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``.
       need_clip: which leaves count (see :func:`clip_by_global_norm`).
       axis_name: not needed under ``jit`` (sharded arrays) nor inside ``shard_map``,
         where each leaf's partial norm is combined over exactly the mesh axes it varies
@@ -242,7 +242,7 @@ def clip_tree_by_norm(
       clip_norm: the largest norm allowed, > 0.
       axes: the axes a norm is taken over, as ``tf.clip_by_norm``; None for the whole
         leaf. Negative axes count from the end.
-      norm_type: ``p > 0`` or ``float('inf')``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``.
       need_clip: which leaves are clipped (see :func:`clip_by_norm`).
       error_if_nonfinite: raise if a norm is inf or NaN (a host sync per call).
       axis_name: see :func:`clip_by_norm`.
@@ -324,7 +324,7 @@ def clip_tree_by_global_norm(
     Args:
       tree: a pytree of floating-point (or complex) arrays.
       clip_norm: the largest global norm allowed, > 0.
-      norm_type: ``p > 0`` or ``float('inf')``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``.
       need_clip: which leaves take part (see :func:`clip_by_global_norm`).
       axis_name: not needed under ``jit`` (sharded arrays) nor inside ``shard_map``,
         where each leaf's partial norm is combined over exactly the mesh axes it varies
@@ -498,7 +498,7 @@ def clip_by_norm(
       clip_norm: the largest norm allowed, > 0 (a Python number or a JAX array).
       axes: the axes a norm is taken over; None (default) for the whole leaf,
         ``axes=1`` for per-row norms of a matrix, as ``tf.clip_by_norm``.
-      norm_type: ``p > 0`` or ``float('inf')``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``.
       need_clip: which leaves are clipped (see :func:`clip_by_value`). The state has an
         entry per selected leaf, so ``init`` (on the params) and ``update`` (on the
         updates) must select the same leaves; ``update`` raises a ValueError naming the
@@ -592,7 +592,7 @@ def clip_by_global_norm(
     Args:
       clip_norm: the largest global norm allowed, > 0 (a number or a JAX array, traced
         ones included, so ``optax.inject_hyperparams`` can schedule it).
-      norm_type: ``p > 0`` or ``float('inf')``, as PyTorch's ``norm_type``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``, as PyTorch's ``norm_type``.
       need_clip: which leaves take part (see :func:`clip_by_value`); the others are
         left out of the norm and returned untouched.
       axis_name: not needed under ``jit`` (sharded arrays) nor inside ``shard_map``,

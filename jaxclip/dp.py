@@ -132,7 +132,7 @@ def clipped_grad(
       keep_batch_dim: pass each example to ``loss_fn`` with a leading axis of size 1.
       reduce: ``"sum"`` (jax-privacy's default) or ``"mean"``: the sum divided by ``B``,
         the number of rows passed, padding included (a number that is not private).
-      norm_type: ``p > 0`` or ``float('inf')``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``.
       need_clip: which gradient leaves are clipped (see :func:`clip_tree_per_example`);
         the others are summed unclipped (and are not private).
       group: per-label clipping (see :func:`clip_tree_per_example`).
@@ -602,7 +602,7 @@ def adaptive_clip_per_example(
       geometric_update: update ``C`` geometrically (True) or arithmetically.
       reduce: ``"mean"`` (divide by the number of rows, padding included) or ``"sum"``.
       seed: an int, or a ``jax.random`` key, for the noise.
-      norm_type: ``p > 0`` or ``float('inf')``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``.
       need_clip: which leaves are clipped and noised (see :func:`clip_tree_per_example`).
       axis_name: inside ``shard_map``, the mesh axes that split the leaves' non-batch
         dimensions (see :func:`clip_tree_per_example`). Where the batch is split across

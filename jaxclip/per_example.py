@@ -542,7 +542,7 @@ def clip_tree_per_example(
         clipped gradient then has norm at most ``sqrt(sum_g c_g**2)``, the sum's
         sensitivity. A label missing from the dict, or a key no selected leaf has, is a
         ValueError naming it.
-      norm_type: ``p > 0`` or ``float('inf')``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``.
       need_clip: which leaves are clipped (see :func:`clip_by_value`). A rule
         (``need_clip`` or ``group``) is shown each leaf as one example, a
         ``jax.ShapeDtypeStruct`` without the batch axis, so ``min_rank(2)`` picks the
@@ -634,7 +634,7 @@ def clip_per_example(
       reduce: ``"mean"`` (DP-SGD), ``"sum"``, or None (no noise; clipped examples).
       noise_multiplier: the noise's standard deviation over ``clip_norm``, >= 0.
       seed: an int, or a ``jax.random`` key, for the noise.
-      norm_type: ``p > 0`` or ``float('inf')``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``.
       need_clip: which leaves are clipped (see :func:`clip_tree_per_example`: a rule
         sees one example's shape, so ``init`` on the params and ``update`` select alike).
       group: per-label clipping (see :func:`clip_tree_per_example`).

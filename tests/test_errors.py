@@ -31,6 +31,10 @@ GRADS = {"encoder": [{"kernel": jnp.ones((2, 3))}], "bias": jnp.ones(3)}
         ),
         (lambda: jaxclip.clip_by_global_norm(1.0, norm_type=-2), r"not a valid norm"),
         (lambda: jaxclip.clip_by_norm(1.0, norm_type=float("nan")), r"not a valid norm"),
+        # Below 2**-10 (the smallest p accepted): an OverflowError from the exact powers'
+        # masks under 2**-20, and an 8% error at 1e-6, where the norms were still finite.
+        (lambda: jaxclip.clip_by_global_norm(1.0, norm_type=1e-10), r"below 2\*\*-10"),
+        (lambda: jaxclip.global_norm([1.0], norm_type=2.0**-10 * 0.999), r"below 2\*\*-10"),
         (lambda: jaxclip.global_norm([1.0], norm_type=True), r"norm_type=True is a bool"),
         (
             lambda: jaxclip.clip_tree_by_global_norm([jnp.ones(2)], 1.0, use_norm=-4.0),
@@ -44,6 +48,14 @@ GRADS = {"encoder": [{"kernel": jnp.ones((2, 3))}], "bias": jnp.ones(3)}
 def test_construction_errors(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_smallest_norm_type_is_accepted():
+    """p = 2**-10 itself is a norm: rows of one nonzero element have that element's
+    magnitude as their p-norm (float64: |x|), within the 1/p-amplified rounding."""
+    x = jnp.array([[5.0, 0.0], [0.0, -3.0]])
+    _, norms = jaxclip.clip_tree_by_norm(x, 1.0, axes=1, norm_type=2.0**-10)
+    np.testing.assert_allclose(np.asarray(norms, np.float64), [5.0, 3.0], rtol=1e-3)
 
 
 def test_mask_missing_a_leaf_names_it():
@@ -95,6 +107,11 @@ def test_complex_leaf_in_value_clipping():
 def test_non_array_leaf_names_path():
     with pytest.raises(TypeError, match=r"leaf at 'name' is a str"):
         jaxclip.global_norm({"name": "kernel", "w": np.ones(2)})
+    # A leaf with a dtype and no values (jax.eval_shape's) was a bare TypeError from float().
+    shape = jax.ShapeDtypeStruct((2,), jnp.float32)
+    for clip in (jaxclip.clip_tree_by_global_norm, jaxclip.clip_tree_by_value):
+        with pytest.raises(TypeError, match=r"leaf at 'enc/s' is a ShapeDtypeStruct"):
+            clip({"enc": {"w": jnp.ones(3), "s": shape}}, 1.0)
 
 
 # ---------------------------------------------------------------------------------------
