@@ -169,6 +169,7 @@ def test_bucketed_16bit_slices(dtype, axes):
         )
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_bucketed_slices_under_grad_and_vmap():
     rng = np.random.default_rng(3)
     tree = {f"w{i}": rng.normal(size=(3 + i, 16)).astype(np.float32) for i in range(5)}

@@ -144,6 +144,7 @@ def _reductions(fn, tree) -> int:
     return jax.jit(fn).lower(tree).compile().as_text().count(" reduce(")
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_the_state_costs_no_reduction_per_leaf():
     # Leaves of distinct shapes, each a unit of its own: the transform's reductions grow
     # with them exactly as the functional form's do (whose norms are per slice).
