@@ -127,7 +127,10 @@ def leaf_dtype(leaf: Any, path: str) -> Any:
 
 
 def _array_like(leaf: Any) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "__jax_array__")
+    """Whether a leaf with a dtype holds values (arrays, and objects NumPy or JAX convert)."""
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return True
+    return hasattr(leaf, "__jax_array__") or hasattr(leaf, "__array__")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +113,14 @@ def test_non_array_leaf_names_path():
     for clip in (jaxclip.clip_tree_by_global_norm, jaxclip.clip_tree_by_value):
         with pytest.raises(TypeError, match=r"leaf at 'enc/s' is a ShapeDtypeStruct"):
             clip({"enc": {"w": jnp.ones(3), "s": shape}}, 1.0)
+
+    class Converts:  # a dtype and values NumPy can take (xarray, pandas, CPU tensors)
+        dtype = np.dtype(np.float32)
+
+        def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+            return np.full(4, 3.0, np.float32)
+
+    np.testing.assert_allclose(jaxclip.global_norm({"w": Converts()}), 6.0)  # sqrt(4 * 9)
 
 
 # ---------------------------------------------------------------------------------------
