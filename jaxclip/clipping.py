@@ -218,11 +218,24 @@ def _clip_by_keys(x: Array, lo: Array, hi: Array) -> Array:
         klo, khi = _norms.spread(klo, x), _norms.spread(khi, x)
     below = lax.bitwise_and(lax.lt(k, klo), lax.le(klo, khi))
     keep = lax.bitwise_or(lax.eq(lax.clamp(klo, k, khi), k), nan)
-    # Selected as bits: XLA:CPU may compute a 16-bit select in float32, whose conversions
-    # flush a subnormal bound (or x) to 0.
+    return _select_bits(keep, below, x, _norms.spread(lo, x), _norms.spread(hi, x))
+
+
+@jax.custom_jvp
+def _select_bits(keep: Array, below: Array, x: Array, lo: Array, hi: Array) -> Array:
+    """``x`` where ``keep``, else ``lo`` where ``below``, else ``hi``: selected as integer
+    bits (XLA:CPU may compute a 16-bit select in float32, whose conversions flush a
+    subnormal bound or ``x`` to 0), differentiated as the float select."""
     bits = jnp.dtype(f"int{x.dtype.itemsize * 8}")
-    b, blo, bhi = (lax.bitcast_convert_type(_norms.spread(v, x), bits) for v in (x, lo, hi))
+    b, blo, bhi = (lax.bitcast_convert_type(v, bits) for v in (x, lo, hi))
     return lax.bitcast_convert_type(lax.select(keep, b, lax.select(below, blo, bhi)), x.dtype)
+
+
+@_select_bits.defjvp
+def _select_bits_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
+    keep, below, _, _, _ = primals
+    _, _, dx, dlo, dhi = tangents
+    return _select_bits(*primals), lax.select(keep, dx, lax.select(below, dlo, dhi))
 
 
 def clip_tree_by_norm(

@@ -203,6 +203,26 @@ def test_value_bounds_hold_for_subnormals(dtype, jit):
         np.testing.assert_array_equal(np.signbit(out[inside]), np.signbit(x64[inside]))
 
 
+def test_value_clipping_by_keys_passes_the_derivative_of_what_it_keeps():
+    """The integer-key path (large bfloat16 leaves; bounds of zero or subnormal magnitude)
+    selects its result as bits; its derivative is the float select's: 1 where x is kept
+    (the bounds included), 0 elsewhere, and the bound's where x takes it. Taken through
+    the bits, it was 0 everywhere."""
+    x16 = np.linspace(-3, 3, 300 * 300).reshape(300, 300)
+    x32 = np.linspace(-3, 3, 11)  # 0 and 1 among them: kept
+    cases = [(x16, jnp.bfloat16, -1.0, 1.0), (x32, jnp.float32, 0.0, 1.0)]
+    for x, dtype, lo, hi in cases:
+        xd = jnp.asarray(x, dtype)
+        x64 = np.asarray(xd, np.float64)
+        loss = lambda v, h: jnp.sum(jaxclip.clip_tree_by_value(v, h, lo).astype(jnp.float32))  # noqa: E731,B023
+        for grad in (jax.grad(loss, argnums=(0, 1)), jax.jit(jax.grad(loss, argnums=(0, 1)))):
+            dx, dhi = grad(xd, jnp.asarray(hi, dtype))
+            want = ((x64 >= lo) & (x64 <= hi)).astype(np.float64)
+            np.testing.assert_array_equal(np.asarray(dx, np.float64), want)
+            if dtype == jnp.float32:  # a bfloat16 bound's cotangent is summed in bfloat16
+                assert float(dhi) == float(np.sum(x64 > hi))
+
+
 @pytest.mark.parametrize("shape", [(4096, 16), (1820, 4, 3, 3)])
 def test_float16_value_clipping_keeps_every_value_inside_bit_for_bit(shape):
     """Every float16 bit pattern (NaN of both signs, subnormals, both zeros) against normal
