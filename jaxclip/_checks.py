@@ -90,6 +90,10 @@ def _is_traced(value: Any) -> bool:
     return isinstance(value, jax.Array) and concrete(value) is None
 
 
+#: The smallest ``norm_type`` accepted (see :func:`check_norm_type`).
+MIN_NORM_TYPE = 2.0**-10
+
+
 def check_norm_type(norm_type: Any) -> float:
     """``norm_type`` as a float, or a ValueError saying what is accepted."""
     if concrete(norm_type) is None:
@@ -123,10 +127,6 @@ def check_norm_type(norm_type: Any) -> float:
             "past any float's range. Use p >= 2**-10 (or 1.0 for the sum of magnitudes)."
         )
     return p
-
-
-#: The smallest ``norm_type`` accepted (see :func:`check_norm_type`).
-MIN_NORM_TYPE = 2.0**-10
 
 
 def _show(value: Any) -> str:

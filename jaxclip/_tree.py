@@ -106,13 +106,13 @@ def shown(path: str) -> str:
 def leaf_dtype(leaf: Any, path: str) -> Any:
     """The dtype of an array-like leaf, or a TypeError naming its path."""
     dtype = getattr(leaf, "dtype", None)
-    if dtype is not None and not _array_like(leaf):
-        raise TypeError(
-            f"jaxclip: the gradient leaf at {shown(path)} is a {type(leaf).__name__} (a "
-            "dtype and no values: from jax.eval_shape?), not an array. Pass the gradients "
-            "themselves."
-        )
     if dtype is not None:
+        if not _array_like(leaf):
+            raise TypeError(
+                f"jaxclip: the gradient leaf at {shown(path)} is a {type(leaf).__name__} (a "
+                "dtype and no values: from jax.eval_shape?), not an array. Pass the "
+                "gradients themselves."
+            )
         # A typed PRNG key's dtype (key<fry>) is JAX's own, not numpy's: not inexact, so
         # never selected by default, and a TypeError naming the leaf if asked for.
         return dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)

@@ -196,6 +196,11 @@ def _clamp_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
     return lax.clamp(lo, x, hi), lax.select(inside, dx, lax.full_like(dx, 0))
 
 
+def _as_bits(x: Array) -> Array:
+    """``x``'s bits as signed integers of its width."""
+    return lax.bitcast_convert_type(x, jnp.dtype(f"int{x.dtype.itemsize * 8}"))
+
+
 def _order_key(x: Array) -> tuple[Array, Array]:
     """Integers in the order of the float values of ``x`` (-0 and +0 alike; NaN at the
     ends), and whether each is NaN.
@@ -203,7 +208,7 @@ def _order_key(x: Array) -> tuple[Array, Array]:
     Sign and magnitude bits become a signed integer, so the comparison is exact on every
     backend, subnormals included.
     """
-    bits = lax.bitcast_convert_type(x, jnp.dtype(f"int{x.dtype.itemsize * 8}"))
+    bits = _as_bits(x)
     mag = lax.bitwise_and(bits, jnp.asarray(jnp.iinfo(bits.dtype).max, bits.dtype))
     inf = lax.bitcast_convert_type(jnp.asarray(jnp.inf, x.dtype), bits.dtype)
     return lax.select(lax.lt(bits, jnp.zeros((), bits.dtype)), lax.neg(mag), mag), mag > inf
@@ -226,8 +231,7 @@ def _select_bits(keep: Array, below: Array, x: Array, lo: Array, hi: Array) -> A
     """``x`` where ``keep``, else ``lo`` where ``below``, else ``hi``: selected as integer
     bits (XLA:CPU may compute a 16-bit select in float32, whose conversions flush a
     subnormal bound or ``x`` to 0), differentiated as the float select."""
-    bits = jnp.dtype(f"int{x.dtype.itemsize * 8}")
-    b, blo, bhi = (lax.bitcast_convert_type(v, bits) for v in (x, lo, hi))
+    b, blo, bhi = (_as_bits(v) for v in (x, lo, hi))
     return lax.bitcast_convert_type(lax.select(keep, b, lax.select(below, blo, bhi)), x.dtype)
 
 
