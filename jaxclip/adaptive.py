@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from jaxclip import _axes, _checks, _norms, _tree
 from jaxclip._checks import Axes, NormType, StaticInt
@@ -34,6 +35,26 @@ def _unit_axes(shape: tuple[int, ...]) -> tuple[int, ...] | None:
     if sum(d != 1 for d in shape) <= 1:
         return None
     return (0,) if len(shape) in (2, 3) else tuple(range(len(shape) - 1))
+
+
+def _default_units(g: Array, spec: _norms.LeafAxes, path: str) -> tuple[int, ...] | None:
+    """:func:`_unit_axes` of the array whose block ``g`` is. Inside ``shard_map`` or
+    ``pmap`` the block's own shape says them only where no dimension of size 1 in it may
+    be split: a ``(1, n)`` block is one unit, but a row of a split ``(k, n)`` kernel is
+    not. A ``PartitionSpec`` says the whole shape; without one such a block is an error."""
+    units = _unit_axes(_norms.global_shape(g, spec))
+    if units is None and g.ndim >= 2 and not isinstance(spec, PartitionSpec):
+        split = _norms.combine_axes(g, spec, None, path)
+        if split:
+            raise ValueError(
+                f"jaxclip.adaptive_clip: the leaf {_tree.shown(path)} is a block {g.shape} "
+                f"of an array split across mapped axes {split}. Its units (one, or one per "
+                "slice) depend on the whole array's shape, which a block with a dimension "
+                "of size 1 does not say. Pass axis_name= the leaves' PartitionSpecs "
+                "(shard_map's in_specs), "
+                "or axes= the axes of the units' norms."
+            )
+    return units
 
 
 def adaptive_clip(
@@ -68,7 +89,9 @@ def adaptive_clip(
       need_clip: which leaves are clipped (see :func:`jaxclip.clip_by_value`).
       axis_name: inside ``shard_map``, for units of a leaf split across devices: the
         mesh axes that split the reduced dimensions (see :func:`jaxclip.clip_by_norm`);
-        a leaf that is one unit needs none.
+        a leaf that is one unit needs none. A block with a dimension of size 1 (a row of
+        a kernel split by rows) needs its ``PartitionSpec``, which says the whole array's
+        shape and so its units; without one it is a ValueError naming the leaf.
 
     Returns:
       An ``optax.GradientTransformation`` (``optax.EmptyState``) whose ``update`` needs
@@ -130,7 +153,8 @@ def clip_tree_adaptive(
         of :func:`adaptive_clip`.
       need_clip: which leaves are clipped (see :func:`jaxclip.clip_by_value`).
       axis_name: inside ``shard_map``, for units of a leaf split across devices: the
-        mesh axes that split the reduced dimensions (see :func:`jaxclip.clip_by_norm`).
+        mesh axes that split the reduced dimensions (see :func:`jaxclip.clip_by_norm`),
+        or the leaves' ``PartitionSpec`` (see :func:`adaptive_clip`).
 
     Returns:
       The clipped tree; unselected leaves are the very same objects.
@@ -161,12 +185,10 @@ def clip_tree_adaptive(
                 "the gradients were taken of (the same structure and shapes)."
             )
     names = _axes.resolve(axis_name, sel, "adaptive_clip")
-    # Inside shard_map a leaf is a block: its units are those of the whole array, which
-    # its PartitionSpec (where given) says.
     leaf_axes = [
         _checks.leaf_axes(axes_t, g, path)
         if axes_t is not None
-        else _unit_axes(_norms.global_shape(g, _norms.leaf_axes(names, i)))
+        else _default_units(g, _norms.leaf_axes(names, i), path)
         for i, (g, path) in enumerate(zip(gs, sel.chosen_paths))
     ]
     paths = tuple(sel.chosen_paths)

@@ -588,6 +588,50 @@ def test_adaptive_clip_takes_its_units_from_the_whole_array():
     np.testing.assert_allclose(ref.f64(out), want, rtol=1e-6)
 
 
+def test_adaptive_clip_refuses_a_block_whose_units_its_shape_cannot_say():
+    # A row of an (8, 6) kernel split by rows is a (1, 6) block: alone it looks like one
+    # unit, but the kernel's units are its columns. Without the leaf's PartitionSpec
+    # that is an error naming the leaf (it was the whole-leaf norm); with it, the
+    # columns' norms. A (1, 6) leaf that is not split stays one unit.
+    rng = np.random.default_rng(12)
+    g = (3 * rng.normal(size=(8, 6))).astype(np.float32)
+    p = rng.normal(size=(8, 6)).astype(np.float32)
+    limit = 0.05 * np.maximum(ref.norm([p], 2.0, (0,)), 1e-3)
+    want = ref.f64(g) * ref.scale(ref.norm([g], 2.0, (0,)), limit)
+    rows = lambda a: a[:, None, :]  # noqa: E731
+
+    def agc(axis_name):
+        fn = lambda g, p: jaxclip.clip_tree_adaptive(g, p, 0.05, axis_name=axis_name)  # noqa: E731
+        return jax.pmap(fn, axis_name="i")
+
+    with pytest.raises(ValueError, match=r"leaf the root of the tree is a block \(1, 6\)"):
+        agc("i")(rows(g), rows(p))
+    got = agc(P("i", None))(rows(g), rows(p))[:, 0, :]
+    np.testing.assert_allclose(ref.f64(got), want, rtol=1e-6)
+    one = agc(())(rows(g), rows(p))  # each device's (1, 6) leaf is its own array
+    for d in range(8):
+        lim = 0.05 * max(ref.norm([p[d]], 2.0), 1e-3)
+        want_d = ref.f64(g[d]) * ref.scale(ref.norm([g[d]], 2.0), lim)
+        np.testing.assert_allclose(ref.f64(one[d, 0]), want_d, rtol=1e-6)
+    # Blocks whose shape says their units need only the axes: a (2, 6) block of a
+    # (16, 6) kernel split by rows, and a (6,) block of a vector (one unit).
+    g2 = (3 * rng.normal(size=(8, 2, 6))).astype(np.float32)
+    p2 = rng.normal(size=(8, 2, 6)).astype(np.float32)
+    lim2 = 0.05 * np.maximum(ref.norm([p2], 2.0, (0, 1)), 1e-3)
+    want2 = ref.f64(g2) * ref.scale(ref.norm([g2], 2.0, (0, 1)), lim2)
+    np.testing.assert_allclose(ref.f64(agc("i")(g2, p2)), want2, rtol=1e-6)
+    lim1 = 0.05 * max(ref.norm([p], 2.0), 1e-3)
+    want1 = ref.f64(g) * ref.scale(ref.norm([g], 2.0), lim1)
+    np.testing.assert_allclose(ref.f64(agc("i")(g, p)), want1, rtol=1e-6)
+    mesh = jax.make_mesh((8,), ("model",))
+    spec = {"w": P("model", None)}
+    body = lambda g, p: jaxclip.clip_tree_adaptive(g, p, 0.05)  # noqa: E731
+    tp = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+    put = lambda a: {"w": jax.device_put(a, NamedSharding(mesh, spec["w"]))}  # noqa: E731
+    with pytest.raises(ValueError, match=r"leaf 'w' is a block \(1, 6\).*\('model',\)"):
+        tp(put(g), put(p))
+
+
 def test_jit_on_an_explicit_mesh_with_a_leaf_split_over_two_kept_axes():
     # The per-slice norms of an (8, 64, 4) leaf over axis 1, split over x and y: they
     # stay split as they are (raveling them is an error on an Explicit mesh).
