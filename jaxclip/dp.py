@@ -236,7 +236,7 @@ def clipped_grad(
             valid = ~mask
         one = np.ndim(argnums) == 0
         args, axes = _data_parallel(args, grad_nums, batch_nums, one, batch_names, fn)
-        m = batch if size is None else max(min(size, batch), 1)
+        m = max(batch if size is None else min(size, batch), 1)  # an empty batch: one padding row
         steps = max(-(-batch // m), 1)
         rows = steps * m
         if steps > 1:
@@ -649,7 +649,10 @@ def adaptive_clip_per_example(
         _in_range(clipped_count_stddev, "clipped_count_stddev", fn, 0.0, math.inf)
     if expected_num_records is not None:
         _in_range(expected_num_records, "expected_num_records", fn, 0.0, math.inf, open_low=True)
-    noisy_sum = float(noise_multiplier) > 0
+    # A traced noise multiplier (optax.inject_hyperparams) may be 0 or not: noise is drawn,
+    # scaled by it (0 adds exactly 0).
+    multiplier = _checks.concrete(noise_multiplier)
+    noisy_sum = multiplier is None or float(multiplier) > 0
 
     def init_fn(params: PyTree) -> AdaptiveClipPerExampleState:
         del params
@@ -697,9 +700,12 @@ def adaptive_clip_per_example(
         # axes that split the batch, ``split``), and the count's noise is drawn once.
         if rows:
             rows *= math.prod(jax.lax.axis_size(a) for a in split)
-        expected = float(expected_num_records or rows or 1)  # rows: a static shape
+        # rows: a static shape; expected_num_records may be traced (a schedule).
+        expected = float(rows or 1) if expected_num_records is None else expected_num_records
         count_std = clipped_count_stddev
-        if count_std is None:
+        if count_std is None and multiplier is None:  # TF-Privacy's default where noised
+            count_std = jnp.where(jnp.asarray(noise_multiplier) > 0, expected / 20, 0.0)
+        elif count_std is None:
             count_std = expected / 20 if noisy_sum else 0.0
         untracked = per_example.untracked_batch_axes()
         noised = not isinstance(count_std, (int, float)) or count_std > 0
@@ -743,7 +749,7 @@ def _noised_unclipped_fraction(
     clip_norm: Array,
     valid: Array | None,
     count_std: Any,
-    expected: float,
+    expected: Any,
     key: Array,
     split: tuple[str, ...] = (),
 ) -> Array:

@@ -135,22 +135,20 @@ def _batch_size(leaves: Sequence[Any], paths: Sequence[str], fn: str) -> int | N
     return batch
 
 
-#: A batch with a factor below float32's normal range is contracted times ``2**LIFT``.
-LIFT = 90
-
-
 def _weights(scale: _norms.Factor, clip_norm: Any, batch: int) -> tuple[Array, Array]:
     """Per example, 1 where it is kept, else its factor ``c / n`` (rounded once), all times
     ``2**k``, and ``2**-k``. ``k`` is 0 unless some factor is below the normal range (a
     norm above ``c * 2**126`` in float32: formed as a number, XLA:CPU would flush it to
-    0, and the example with it); then every weight is lifted by up to ``2**LIFT``, as far
-    as the sum allows: each term ``w x`` is at most ``c`` in magnitude (a p-norm bounds
-    every element), so ``batch * c * 2**k`` must stay finite."""
+    0, and the example with it); then every weight is lifted as far as the sum allows and
+    ``2**-k`` stays normal (``k <= 126`` in float32): each term ``w x`` is at most ``c`` in
+    magnitude (a p-norm bounds every element), so ``batch * c * 2**k`` must stay finite.
+    A factor ``f0 * f1`` of two normal numbers is then normal once lifted, unless ``c``
+    itself is within ``batch`` of the largest value."""
     w = jnp.where(scale.keep, jnp.ones_like(scale.f0), scale.f0 * scale.f1)
     low = ~scale.keep & (w < np.finfo(w.dtype).tiny)  # false for NaN, which propagates
     c = jnp.maximum(jnp.asarray(clip_norm, w.dtype), np.finfo(w.dtype).tiny)
     room = np.finfo(w.dtype).maxexp - 2 - max(batch, 1).bit_length() - _norms.frexp(c)[1]
-    k = jnp.where(jnp.any(low), jnp.clip(room, 0, LIFT), 0)
+    k = jnp.where(jnp.any(low), jnp.clip(room, 0, -np.finfo(w.dtype).minexp), 0)
     lift = _norms.pow2(k, w.dtype)
     lifted = jnp.where(low, scale.f0 * (scale.f1 * lift), w * lift)
     return lifted, 1 / lift

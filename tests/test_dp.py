@@ -292,6 +292,64 @@ def test_adaptation_linspace_converges_to_the_median(geometric, start):
     assert np.all(np.abs(np.asarray(clips[41:]) - 5.0) < 0.25)
 
 
+def test_noised_states_with_a_raw_key_checkpoint_as_plain_arrays():
+    # The documented way to checkpoint through NumPy: a raw PRNGKey seed keeps the state
+    # plain arrays, and the restored state takes the same next step.
+    grads = {"w": jnp.asarray(np.arange(8.0, dtype=np.float32).reshape(4, 2))}
+    for tx in (
+        jaxclip.clip_per_example(1.0, noise_multiplier=0.5, seed=jax.random.PRNGKey(3)),
+        jaxclip.adaptive_clip_per_example(1.0, noise_multiplier=0.5, seed=jax.random.PRNGKey(3)),
+    ):
+        _, state = tx.update(grads, tx.init({"w": jnp.zeros(2)}))
+        saved = jax.tree.map(np.asarray, state)  # a typed key would raise here
+        restored = jax.tree.map(jnp.asarray, saved)
+        np.testing.assert_array_equal(
+            np.asarray(tx.update(grads, restored)[0]["w"]),
+            np.asarray(tx.update(grads, state)[0]["w"]),
+        )
+
+
+def test_clipped_grad_of_an_empty_batch_is_zero():
+    # A Poisson-sampled batch may draw no example: the clipped sum (and the mean, which
+    # clipped_grad takes over max(B, 1) rows) is 0 with or without microbatches.
+    loss = lambda w, x: 0.5 * jnp.sum((w - x) ** 2)  # noqa: E731
+    w, xs = jnp.ones(2), jnp.zeros((0, 2))
+    for size in (None, 2):
+        for reduce in ("sum", "mean"):
+            fn = jaxclip.clipped_grad(loss, 1.0, microbatch_size=size, reduce=reduce)
+            np.testing.assert_array_equal(np.asarray(fn(w, xs)), np.zeros(2, np.float32))
+    g, aux = jaxclip.clipped_grad(loss, 1.0, return_norms=True)(w, xs)
+    np.testing.assert_array_equal(np.asarray(g), np.zeros(2, np.float32))
+    assert aux.norms.shape == (0,)
+
+
+def test_adaptive_hyperparameters_injected_under_jit():
+    # optax.inject_hyperparams makes every numeric argument an array, traced under jit
+    # (noise_multiplier's default 0 included): the update must not need their values.
+    # Rows of norms 0.5, 0.8, 0.9 and 3 against C = 1, E = 8: b = (3/2 - 1/2)/8 + 1/2, and
+    # C' = C exp(-lr (b - target)); the sum is the float64 clipped sum.
+    rows = np.array([[0.3, 0.4], [0.0, 0.8], [0.9, 0.0], [3.0, 0.0]], np.float32)
+    grads = {"w": jnp.asarray(rows)}
+    kw = dict(initial_clip_norm=1.0, learning_rate=0.2, expected_num_records=8.0, reduce="sum")
+    tx = optax.inject_hyperparams(jaxclip.adaptive_clip_per_example)(
+        target_unclipped_quantile=lambda count: 0.5, **kw
+    )
+    out, state = jax.jit(tx.update)(grads, tx.init({"w": jnp.zeros(2)}))
+    b = (3 * 0.5 - 0.5) / 8 + 0.5
+    np.testing.assert_allclose(float(state.inner_state.clip_norm), np.exp(-0.2 * (b - 0.5)), 1e-6)
+    norms = np.linalg.norm(rows.astype(np.float64), axis=1, keepdims=True)
+    want = np.sum(rows * np.minimum(1.0, 1.0 / norms), axis=0)
+    np.testing.assert_allclose(np.asarray(out["w"], np.float64), want, rtol=1e-6)
+    # A traced noise multiplier draws the noise the static one does, with the same key.
+    noisy = optax.inject_hyperparams(jaxclip.adaptive_clip_per_example)(noise_multiplier=0.5, **kw)
+    plain = jaxclip.adaptive_clip_per_example(noise_multiplier=0.5, **kw)
+    got, s1 = jax.jit(noisy.update)(grads, noisy.init({"w": jnp.zeros(2)}))
+    ref, s2 = plain.update(grads, plain.init({"w": jnp.zeros(2)}))
+    assert not np.allclose(np.asarray(ref["w"]), want)  # noise was added
+    np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(ref["w"]), rtol=1e-6)
+    np.testing.assert_allclose(float(s1.inner_state.clip_norm), float(s2.clip_norm), rtol=1e-6)
+
+
 @pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_adaptive_noise_statistics():
     # The sum's noise: std noise_multiplier * C (TF's test_sum_with_noise: std 1 around

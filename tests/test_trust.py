@@ -375,6 +375,19 @@ def test_per_example_lift_leaves_room_for_large_clip_norms():
     np.testing.assert_allclose(np.asarray(out)[:2], [2.0**39 + 1.0, 1.0], rtol=1e-6)
 
 
+def test_per_example_sums_keep_examples_clipped_by_factors_far_below_normal():
+    """A factor c / n down to 2**-220 (n near float32's largest, c 1e-28 to 1e-36) was
+    lifted by at most 2**90 in the contraction: still subnormal, the example was dropped
+    from the sum (its row, reduce=None, was right)."""
+    for big, c in ((1e38, 1e-28), (3e38, 1e-30), (1e30, 1e-36)):
+        x = np.array([[big, big], [c / 10, 0.0]], np.float32)
+        x64 = x.astype(np.float64)
+        n = np.linalg.norm(x64, axis=1, keepdims=True)
+        want = np.sum(x64 * np.minimum(1.0, np.float64(np.float32(c)) / n), axis=0)
+        (out,), _ = jaxclip.clip_tree_per_example([jnp.asarray(x)], c)
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-6, err_msg=str(c))
+
+
 @pytest.mark.parametrize(
     "p",
     [
