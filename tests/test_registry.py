@@ -447,3 +447,24 @@ def test_the_registry_holds_every_public_transformation():
         assert set(m.logged) <= set(getattr(state, "_fields", ())), m.name
         held = {f for f in m.logged if getattr(state, f) is not None}  # per-example norms: opt-in
         assert held <= {k.split("/")[0] for k in jaxclip.clip_stats(state)}, m.name
+
+
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
+def test_every_mode_takes_inject_hyperparams_without_static_args_under_jit():
+    """As users write it: ``optax.inject_hyperparams(factory)(...)`` makes every numeric
+    argument an array, defaults included (only the sizes of states are ``static_args``);
+    under ``jit`` each update equals the plain transformation's, eagerly."""
+    grads = {"w": jnp.asarray(np.arange(6.0).reshape(2, 3), jnp.float32)}
+    for m in MODES:
+        g = jax.tree.map(lambda x: jnp.stack([x, 2 * x, 0.5 * x]), grads) if m.batched else grads
+        kw = dict(m.example)
+        value = kw.get(m.scheduled, inspect.signature(m.factory).parameters[m.scheduled].default)
+        sizes = tuple(k for k, v in kw.items() if isinstance(v, int) and not isinstance(v, bool))
+        injected = optax.inject_hyperparams(m.factory, static_args=sizes)(
+            **{**kw, m.scheduled: lambda count, v=value: v}
+        )
+        plain = m.build()
+        want = plain.update(g, plain.init(grads), grads)[0]
+        got = jax.jit(injected.update)(g, injected.init(grads), grads)[0]
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, err_msg=m.name)
