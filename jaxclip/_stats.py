@@ -60,7 +60,9 @@ def _visit(state: Any, where: str, out: dict[str, jax.Array]) -> None:
     for name in _registry.logged_fields(state):
         _leaves(_join(where, name), getattr(state, name), out)
     if "inner_state" in state._fields:  # skip_large_updates wraps a whole optimizer
-        _walk(state.inner_state, where, out)
+        # A mode wrapped alone logs fields of the same names: under "inner/".
+        inner = state.inner_state
+        _walk(inner, _join(where, "inner") if _is_stop(inner) else where, out)
 
 
 def _walk(node: Any, prefix: str, out: dict[str, jax.Array]) -> None:
@@ -82,7 +84,8 @@ def clip_stats(opt_state: Any) -> dict[str, jax.Array]:
     sits and what the value is: ``"0/global_norm"`` for the first transformation of a
     chain, ``"1/norms/l1/kernel"`` for a per-leaf norm of :func:`clip_by_norm`,
     ``"2/threshold"`` for an adaptive threshold, a group's norm under
-    ``"global_norm/<label>"``, and the current value of every hyperparameter that
+    ``"global_norm/<label>"``, a mode that :func:`jaxclip.skip_large_updates` wraps
+    alone (not in a chain) under ``"inner/"``, and the current value of every hyperparameter that
     ``optax.inject_hyperparams`` injects into a jaxclip mode with a state
     (``"0/clip_norm"``; the stateless :func:`jaxclip.clip_by_value` and
     :func:`jaxclip.adaptive_clip` keep ``optax.EmptyState``, which names no mode, so their

@@ -452,7 +452,8 @@ def clip_by_value(
     clipped leaf without enlarging it (a per-column ``max`` of shape ``(n,)`` for
     ``(m, n)`` leaves), else a ValueError names the leaf. Concrete bounds are checked
     elementwise (``min <= max``; ``max > 0`` when ``min`` is None); traced ones, e.g.
-    from ``optax.inject_hyperparams``, are not.
+    from ``optax.inject_hyperparams``, are not. Each leaf is clipped to the bounds as its
+    dtype holds them (rounded to nearest, as ``optax.clip`` and ``torch.clamp``).
 
     Args:
       max: the upper bound: a real number, or an array (NumPy, JAX or nested lists).

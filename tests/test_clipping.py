@@ -303,6 +303,20 @@ def test_tensorflow_style_functions():
     )
 
 
+def test_value_bounds_are_those_the_leaf_dtype_holds():
+    # As optax.clip and torch.clamp: each bound rounded to the nearest value of the leaf's
+    # dtype (the numerics guide says so). bfloat16 holds 0.1 as 0.10009765625; float16
+    # holds 1e-8 as 0.
+    bf = jnp.asarray([0.2, -0.2, 0.05], jnp.bfloat16)
+    got = np.asarray(jaxclip.clip_tree_by_value(bf, 0.1), np.float64)
+    nearest = float(np.asarray(jnp.asarray(0.1, jnp.bfloat16), np.float64))
+    assert nearest == 0.10009765625
+    np.testing.assert_array_equal(got, [nearest, -nearest, 0.050048828125])
+    np.testing.assert_array_equal(np.asarray(optax.clip(0.1).update(bf, None)[0], np.float64), got)
+    f16 = jnp.asarray([1e-3, -1e-3], jnp.float16)
+    np.testing.assert_array_equal(np.asarray(jaxclip.clip_tree_by_value(f16, 1e-8)), [0.0, 0.0])
+
+
 def test_value_clipping_takes_python_number_leaves():
     # Its bound check read leaf.shape: a Python float leaf raised AttributeError, where
     # every other mode (and optax.clip) takes it.

@@ -292,6 +292,7 @@ def test_adaptation_linspace_converges_to_the_median(geometric, start):
     assert np.all(np.abs(np.asarray(clips[41:]) - 5.0) < 0.25)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_noised_states_with_a_raw_key_checkpoint_as_plain_arrays():
     # The documented way to checkpoint through NumPy: a raw PRNGKey seed keeps the state
     # plain arrays, and the restored state takes the same next step.

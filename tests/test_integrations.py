@@ -315,6 +315,22 @@ def test_clip_stats_finds_every_mode_where_tree_get_cannot():
     assert int(stats["2/skipped"]) == 0
 
 
+def test_clip_stats_keeps_both_norms_of_a_mode_wrapped_alone():
+    # skip_large_updates and a mode it wraps directly both log "global_norm": the inner
+    # one goes under "inner/", so the norm that decides skipping is not overwritten.
+    grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([12.0])}  # 13 in all, w alone 5
+    inner = jaxclip.clip_by_global_norm(1.0, need_clip=jaxclip.by_name("w"))
+    tx = jaxclip.skip_large_updates(inner, threshold=100.0)
+    _, state = jax.jit(tx.update)(grads, tx.init(grads))
+    stats = {k: float(v) for k, v in jaxclip.clip_stats(state).items()}
+    assert stats == {"global_norm": 13.0, "skipped": 0.0, "inner/global_norm": 5.0}
+    big = jax.tree.map(lambda g: 10 * g, grads)  # 130 > 100: skipped, the inner one not run
+    _, state = jax.jit(tx.update)(big, state)
+    stats = {k: float(v) for k, v in jaxclip.clip_stats(state).items()}
+    np.testing.assert_allclose(stats["global_norm"], 130.0, rtol=1e-6)
+    assert stats["skipped"] == 1.0
+
+
 def test_clip_stats_reports_history_and_per_example_modes():
     tx = optax.chain(
         jaxclip.clip_per_example(150.0, reduce="sum", batch_size=2),
