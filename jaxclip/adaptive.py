@@ -51,8 +51,7 @@ def _default_units(g: Array, spec: _norms.LeafAxes, path: str) -> tuple[int, ...
                 f"of an array split across mapped axes {split}. Its units (one, or one per "
                 "slice) depend on the whole array's shape, which a block with a dimension "
                 "of size 1 does not say. Pass axis_name= the leaves' PartitionSpecs "
-                "(shard_map's in_specs), "
-                "or axes= the axes of the units' norms."
+                "(shard_map's in_specs), or axes= the axes of the units' norms."
             )
     return units
 

@@ -139,11 +139,11 @@ def _weights(scale: _norms.Factor, clip_norm: Any, batch: int) -> tuple[Array, A
     """Per example, 1 where it is kept, else its factor ``c / n`` (rounded once), all times
     ``2**k``, and ``2**-k``. ``k`` is 0 unless some factor is below the normal range (a
     norm above ``c * 2**126`` in float32: formed as a number, XLA:CPU would flush it to
-    0, and the example with it); then every weight is lifted as far as the sum allows and
-    ``2**-k`` stays normal (``k <= 126`` in float32): each term ``w x`` is at most ``c`` in
-    magnitude (a p-norm bounds every element), so ``batch * c * 2**k`` must stay finite.
-    A factor ``f0 * f1`` of two normal numbers is then normal once lifted, unless ``c``
-    itself is within ``batch`` of the largest value."""
+    0, and the example with it); then every weight is lifted by ``2**k``, as far as the
+    sum allows and while ``2**-k`` stays normal (``k <= 126`` in float32): each term
+    ``w x`` is at most ``c`` in magnitude (a p-norm bounds every element), so
+    ``batch * c * 2**k`` must stay finite. A factor still below the normal range after
+    the lift (``c / n < 2**(-126 - k)``) is flushed, as XLA:CPU flushes subnormals."""
     w = jnp.where(scale.keep, jnp.ones_like(scale.f0), scale.f0 * scale.f1)
     low = ~scale.keep & (w < np.finfo(w.dtype).tiny)  # false for NaN, which propagates
     c = jnp.maximum(jnp.asarray(clip_norm, w.dtype), np.finfo(w.dtype).tiny)
