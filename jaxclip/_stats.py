@@ -84,9 +84,9 @@ def clip_stats(opt_state: Any) -> dict[str, jax.Array]:
     sits and what the value is: ``"0/global_norm"`` for the first transformation of a
     chain, ``"1/norms/l1/kernel"`` for a per-leaf norm of :func:`clip_by_norm`,
     ``"2/threshold"`` for an adaptive threshold, a group's norm under
-    ``"global_norm/<label>"``, a mode that :func:`jaxclip.skip_large_updates` wraps
-    alone (not in a chain) under ``"inner/"``, and the current value of every hyperparameter that
-    ``optax.inject_hyperparams`` injects into a jaxclip mode with a state
+    ``"global_norm/<label>"``, the fields of a mode that :func:`jaxclip.skip_large_updates`
+    wraps alone (not in a chain) under ``"inner/"``, and the current value of every
+    hyperparameter that ``optax.inject_hyperparams`` injects into a jaxclip mode with a state
     (``"0/clip_norm"``; the stateless :func:`jaxclip.clip_by_value` and
     :func:`jaxclip.adaptive_clip` keep ``optax.EmptyState``, which names no mode, so their
     injected values are left to the wrapper's ``state.hyperparams``).

@@ -649,10 +649,8 @@ def adaptive_clip_per_example(
         _in_range(clipped_count_stddev, "clipped_count_stddev", fn, 0.0, math.inf)
     if expected_num_records is not None:
         _in_range(expected_num_records, "expected_num_records", fn, 0.0, math.inf, open_low=True)
-    # A traced noise multiplier (optax.inject_hyperparams) may be 0 or not: noise is drawn,
-    # scaled by it (0 adds exactly 0).
-    multiplier = _checks.concrete(noise_multiplier)
-    noisy_sum = multiplier is None or float(multiplier) > 0
+    noisy_sum = per_example.draws_noise(noise_multiplier)
+    traced_noise = _checks.concrete(noise_multiplier) is None
 
     def init_fn(params: PyTree) -> AdaptiveClipPerExampleState:
         del params
@@ -703,7 +701,7 @@ def adaptive_clip_per_example(
         # rows: a static shape; expected_num_records may be traced (a schedule).
         expected = float(rows or 1) if expected_num_records is None else expected_num_records
         count_std = clipped_count_stddev
-        if count_std is None and multiplier is None:  # TF-Privacy's default where noised
+        if count_std is None and traced_noise:  # TF-Privacy's default where noised
             count_std = jnp.where(jnp.asarray(noise_multiplier) > 0, expected / 20, 0.0)
         elif count_std is None:
             count_std = expected / 20 if noisy_sum else 0.0

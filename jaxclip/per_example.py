@@ -135,6 +135,14 @@ def _batch_size(leaves: Sequence[Any], paths: Sequence[str], fn: str) -> int | N
     return batch
 
 
+def draws_noise(noise_multiplier: Any) -> bool:
+    """Whether a noised mode draws noise: where its multiplier is above 0, or traced
+    (``optax.inject_hyperparams``), where the noise is drawn times its value (0 adds
+    exactly 0)."""
+    value = _checks.concrete(noise_multiplier)
+    return value is None or float(value) > 0
+
+
 def _weights(scale: _norms.Factor, clip_norm: Any, batch: int) -> tuple[Array, Array]:
     """Per example, 1 where it is kept, else its factor ``c / n`` (rounded once), all times
     ``2**k``, and ``2**-k``. ``k`` is 0 unless some factor is below the normal range (a
@@ -672,10 +680,9 @@ def clip_per_example(
         fn,
         "the noise's standard deviation over clip_norm; 0 for no noise",
     )
-    noise = _checks.concrete(noise_multiplier)
     _checks.check_seed(seed, fn)
     _checks.check_need_clip(need_clip, fn)
-    noisy = noise is None or noise > 0
+    noisy = draws_noise(noise_multiplier)
     if reduce is None and noisy:
         raise ValueError(
             f"jaxclip.{fn}: noise_multiplier > 0 needs reduce='mean' or 'sum' (noise is added "
