@@ -353,22 +353,31 @@ class HistoryClipState(NamedTuple):
 
     With ``global_threshold=True`` every field is about the global norm (``history`` of
     shape ``(history_length,)``, the others scalars); otherwise each has a leading axis
-    with one row per selected leaf, in the order of ``jax.tree.leaves``.
+    with one row per selected leaf, in the order of ``jax.tree.leaves``, and ``rows``
+    says which leaf each row belongs to.
 
     Attributes:
       history: the last ``history_length`` finite norms (a ring buffer; NaN where empty).
       finite_count: how many finite norms were recorded in all.
       threshold: the threshold of the last update (inf before any norm was recorded).
       norm: the pre-clip norm of the last update (the global norm, or each leaf's).
+      rows: per leaf (``global_threshold=False``), a tree of the updates' structure with
+        each selected leaf's row in the fields above (int32 scalar) and
+        ``optax.MaskedNode()`` at leaves that are not selected, as ``optax.masked``'s
+        states; ``update`` raises a ValueError naming the leaf when the updates' paths
+        differ from it, so that a renamed leaf never takes over another's history.
+        ``optax.EmptyState()`` with ``global_threshold=True``.
     """
 
     history: Array
     finite_count: Array
     threshold: Array
     norm: Array
+    rows: PyTree = optax.EmptyState()
 
 
 def _history_clip(
+    fn: str,
     statistic: Any,
     level: Any,
     history_length: int,
@@ -379,30 +388,35 @@ def _history_clip(
     """The autoclip package's clippers: each norm (the global one, or each leaf's) clipped
     at ``statistic(history, level)`` of its earlier finite norms, then recorded."""
 
-    def rows(tree: PyTree) -> tuple[int, ...]:
-        if global_threshold:
-            return ()
-        return (len(_tree.select(tree, need_clip, what="adaptive clipping").chosen),)
-
     def init_fn(params: PyTree) -> HistoryClipState:
-        f32, lead = jnp.float32, rows(params)
+        f32, lead, rows = jnp.float32, (), optax.EmptyState()
+        if not global_threshold:
+            sel = _tree.select(params, need_clip, what="adaptive clipping")
+            lead = (len(sel.chosen),)
+            rows = sel.per_leaf(
+                [jnp.asarray(i, jnp.int32) for i in range(lead[0])], optax.MaskedNode()
+            )
+            if _tree.is_params_placeholder(params):
+                # Not a tree of parameters: optax.tree_map_params then maps the field with
+                # transform_non_params (a replicated sharding), not f.
+                rows = jnp.zeros((), jnp.int32)
         return HistoryClipState(
             jnp.full((*lead, history_length), jnp.nan, f32),
             jnp.zeros(lead, jnp.int32),
             jnp.full(lead, jnp.inf, f32),
             jnp.zeros(lead, f32),
+            rows,
         )
 
     def update_fn(updates: PyTree, state: HistoryClipState, params: Any = None):
         del params
         sel = _tree.select(updates, need_clip, what="adaptive clipping")
         xs = [jnp.asarray(x) for x in sel.chosen]
-        if not global_threshold and state.norm.shape != (len(xs),):
-            raise ValueError(
-                f"jaxclip: the state has a history for {state.norm.shape[0]} leaves but the "
-                f"updates select {len(xs)}; init with params of the updates' structure."
-            )
-        names = _axes.resolve(axis_name, sel, "quantile_clip/standard_clip")
+        if not global_threshold:
+            # By path, not by count: a renamed leaf must not take over another's history.
+            init_paths = list(_tree.leaves_by_path(state.rows))
+            _tree.check_same_selection(init_paths, sel.chosen_paths, fn)
+        names = _axes.resolve(axis_name, sel, fn)
         paths = tuple(sel.chosen_paths)
         out, state = _history_step(xs, state, level, statistic, global_threshold, names, paths)
         return sel.rebuild(out), state
@@ -439,7 +453,7 @@ def _history_step(
     # float32 state whatever the hyperparameters' dtype (NumPy float64 under x64): scan
     # carries need init's dtypes.
     threshold = threshold.astype(state.threshold.dtype)
-    return out, HistoryClipState(history, count, threshold, norm)
+    return out, HistoryClipState(history, count, threshold, norm, state.rows)
 
 
 def _quantile(history: Array, count: Array, q: Any) -> Array:
@@ -543,7 +557,9 @@ def quantile_clip(
     global_threshold = _checks.check_flag(global_threshold, "global_threshold", "quantile_clip")
     _checks.check_need_clip(need_clip, "quantile_clip")
     _axes.check(axis_name, "quantile_clip")
-    return _history_clip(_quantile, quantile, n, global_threshold, need_clip, axis_name)
+    return _history_clip(
+        "quantile_clip", _quantile, quantile, n, global_threshold, need_clip, axis_name
+    )
 
 
 def standard_clip(
@@ -599,7 +615,9 @@ def standard_clip(
     global_threshold = _checks.check_flag(global_threshold, "global_threshold", "standard_clip")
     _checks.check_need_clip(need_clip, "standard_clip")
     _axes.check(axis_name, "standard_clip")
-    return _history_clip(_std_threshold, deviations, n, global_threshold, need_clip, axis_name)
+    return _history_clip(
+        "standard_clip", _std_threshold, deviations, n, global_threshold, need_clip, axis_name
+    )
 
 
 def _selected(

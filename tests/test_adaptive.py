@@ -470,10 +470,41 @@ def test_quantile_clip_state_has_one_row_per_selected_leaf():
     assert state.history.shape == (2, 4) and state.threshold.shape == (2,)
     state = jaxclip.quantile_clip(0.5, 4, global_threshold=True).init(tree)
     assert state.history.shape == (4,) and state.threshold.shape == ()
-    with pytest.raises(ValueError, match="history for 2 leaves but the updates select 1"):
+    with pytest.raises(ValueError, match="has an entry for the leaf at 'b'"):
         jaxclip.quantile_clip(0.5, 4).update(
             {"a": jnp.ones(2)}, jaxclip.quantile_clip(0.5).init(tree)
         )
+
+
+@pytest.mark.parametrize(
+    "make", [jaxclip.quantile_clip, jaxclip.standard_clip], ids=["quantile", "standard"]
+)
+def test_per_leaf_histories_follow_their_leaves_by_path(make):
+    """A tree with the same number of selected leaves under other paths is refused, naming
+    the leaf, under jit too; it does not take over the other leaves' histories (a leaf of
+    norm 100 was clipped to its renamed neighbour's threshold). Rows follow the selected
+    leaves by path (an unselected leaf between them is MaskedNode), and each leaf keeps
+    its own history across steps."""
+    tx = make(0.5, 4, need_clip=jaxclip.exclude_names("frozen"))
+    first = {"a": jnp.array([3.0, 4.0]), "frozen": jnp.ones(2), "c": jnp.array([0.01])}
+    state = tx.init(first)
+    for _ in range(3):
+        _, state = jax.jit(tx.update)(first, state)
+    np.testing.assert_allclose(state.history[:, :3], [[5.0] * 3, [0.01] * 3], rtol=1e-6)
+    renamed = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([100.0]), "frozen": jnp.ones(2)}
+    for update in (tx.update, jax.jit(tx.update)):
+        with pytest.raises(ValueError, match=r"the leaf at 'c' .*init selected it"):
+            update(renamed, state)
+    assert isinstance(state.rows["frozen"], optax.MaskedNode)
+    assert [int(state.rows["a"]), int(state.rows["c"])] == [0, 1]
+    # The global threshold keeps one history whatever the paths.
+    tg = make(0.5, 4, global_threshold=True)
+    _, sg = tg.update(first, tg.init(first))
+    out, _ = tg.update(renamed, sg)
+    assert isinstance(sg.rows, optax.EmptyState)
+    n = math.sqrt(25 + 2 + 1e4)
+    want = 1.0 if make is jaxclip.standard_clip else min(1.0, math.sqrt(25 + 2 + 1e-4) / n)
+    np.testing.assert_allclose(out["b"], [100.0 * want], rtol=1e-6)
 
 
 @pytest.mark.parametrize(
