@@ -175,9 +175,10 @@ def _contract(w: Array, xs: Sequence[Array]) -> list[Array]:
         if not _norms.one_device(x):
             # A sharded batch axis (Explicit mesh axes): a contraction over it needs an
             # output sharding; a weighted sum over it (fused, no copy) is reduced across
-            # devices.
+            # devices. A complex x stays complex (acc is its parts' dtype).
             kept = (x.shape[0],) + (1,) * (x.ndim - 1)
-            out[i] = jnp.sum(w.astype(acc).reshape(kept) * x.astype(acc), axis=0)
+            wide = jnp.promote_types(acc, x.dtype)
+            out[i] = jnp.sum(w.astype(acc).reshape(kept) * x.astype(wide), axis=0)
         elif jnp.iscomplexobj(x):
             high = lax.Precision.HIGHEST
             out[i] = lax.dot_general(w.astype(x.dtype), x, _BATCH, precision=high)

@@ -341,3 +341,26 @@ def test_clipped_grad_batch_axes_ambiguous_or_misnamed():
     for names in ((), "nope"):
         with pytest.raises(ValueError, match=r"batch_axis_name=.*Name the axes that split"):
             run(names, keyed=False)
+
+
+def test_complex_leaves_keep_their_imaginary_part_with_the_batch_split():
+    """A complex per-example leaf (selected, and one left unclipped) with the batch split
+    over 8 devices under jit: the sums are the single-device ones (float64 NumPy), not
+    their real parts."""
+    rng = np.random.default_rng(1)
+    z = (rng.normal(size=(16, 5)) + 1j * rng.normal(size=(16, 5))).astype(np.complex64)
+    r = rng.normal(size=(16, 3)).astype(np.float32)
+    z64 = z.astype(np.complex128)
+    n = np.sqrt(np.sum(np.abs(z64) ** 2, 1) + np.sum(r.astype(np.float64) ** 2, 1))
+    f = np.minimum(1.0, 1.5 / n)[:, None]
+    clip = jax.jit(lambda g: jaxclip.clip_tree_per_example(g, 1.5)[0])
+    keep = jax.jit(
+        lambda g: jaxclip.clip_tree_per_example(g, 1.5, need_clip=jaxclip.exclude_names("z"))[0]
+    )
+    for kind in (AxisType.Explicit, AxisType.Auto):
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+        g = jax.device_put({"z": z, "r": r}, NamedSharding(mesh, P("data")))
+        with jax.set_mesh(mesh):
+            got, unclipped = clip(g), keep(g)
+        np.testing.assert_allclose(np.asarray(got["z"]), (f * z64).sum(0), rtol=2e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(unclipped["z"]), z64.sum(0), rtol=2e-6, atol=1e-6)
