@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -353,27 +354,27 @@ class HistoryClipState(NamedTuple):
 
     With ``global_threshold=True`` every field is about the global norm (``history`` of
     shape ``(history_length,)``, the others scalars); otherwise each has a leading axis
-    with one row per selected leaf, in the order of ``jax.tree.leaves``, and ``rows``
-    says which leaf each row belongs to.
+    with one row per selected leaf, in the order of ``jax.tree.leaves``.
 
     Attributes:
       history: the last ``history_length`` finite norms (a ring buffer; NaN where empty).
       finite_count: how many finite norms were recorded in all.
       threshold: the threshold of the last update (inf before any norm was recorded).
       norm: the pre-clip norm of the last update (the global norm, or each leaf's).
-      rows: per leaf (``global_threshold=False``), a tree of the updates' structure with
-        each selected leaf's row in the fields above (int32 scalar) and
-        ``optax.MaskedNode()`` at leaves that are not selected, as ``optax.masked``'s
-        states; ``update`` raises a ValueError naming the leaf when the updates' paths
-        differ from it, so that a renamed leaf never takes over another's history.
-        ``optax.EmptyState()`` with ``global_threshold=True``.
+      paths: which leaves the rows belong to (``global_threshold=False``): a dict
+        ``{"<row>:<path>": optax.EmptyState()}`` over the selected leaves, ``{}`` with
+        ``global_threshold=True``. Its keys are static under ``jit`` and saved with the
+        state, and it holds no arrays (``optax.tree_map_params`` hands it to
+        ``transform_non_params`` as one subtree). ``update`` raises a ValueError naming the
+        leaf when the updates' selected paths, or their order, are not those ``init``
+        saw, so that a renamed or reordered tree never takes another leaf's history.
     """
 
     history: Array
     finite_count: Array
     threshold: Array
     norm: Array
-    rows: PyTree = optax.EmptyState()
+    paths: dict[str, optax.EmptyState] | Array
 
 
 def _history_clip(
@@ -389,39 +390,71 @@ def _history_clip(
     at ``statistic(history, level)`` of its earlier finite norms, then recorded."""
 
     def init_fn(params: PyTree) -> HistoryClipState:
-        f32, lead, rows = jnp.float32, (), optax.EmptyState()
+        f32, lead, paths = jnp.float32, (), {}
         if not global_threshold:
             sel = _tree.select(params, need_clip, what="adaptive clipping")
             lead = (len(sel.chosen),)
-            rows = sel.per_leaf(
-                [jnp.asarray(i, jnp.int32) for i in range(lead[0])], optax.MaskedNode()
-            )
+            paths = {f"{i}:{p}": optax.EmptyState() for i, p in enumerate(sel.chosen_paths)}
             if _tree.is_params_placeholder(params):
-                # Not a tree of parameters: optax.tree_map_params then maps the field with
-                # transform_non_params (a replicated sharding), not f.
-                rows = jnp.zeros((), jnp.int32)
+                # optax.tree_map_params' stand-in: a leaf, so that the real record (whose
+                # keys it cannot know) reaches transform_non_params whole.
+                paths = jnp.zeros((), jnp.int8)
         return HistoryClipState(
             jnp.full((*lead, history_length), jnp.nan, f32),
             jnp.zeros(lead, jnp.int32),
             jnp.full(lead, jnp.inf, f32),
             jnp.zeros(lead, f32),
-            rows,
+            paths,
         )
 
     def update_fn(updates: PyTree, state: HistoryClipState, params: Any = None):
         del params
         sel = _tree.select(updates, need_clip, what="adaptive clipping")
         xs = [jnp.asarray(x) for x in sel.chosen]
-        if not global_threshold:
-            # By path, not by count: a renamed leaf must not take over another's history.
-            init_paths = list(_tree.leaves_by_path(state.rows))
-            _tree.check_same_selection(init_paths, sel.chosen_paths, fn)
+        _check_history_state(state, sel.chosen_paths, global_threshold, fn)
         names = _axes.resolve(axis_name, sel, fn)
         paths = tuple(sel.chosen_paths)
         out, state = _history_step(xs, state, level, statistic, global_threshold, names, paths)
         return sel.rebuild(out), state
 
     return optax.GradientTransformation(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+def _check_history_state(
+    state: HistoryClipState, paths: Sequence[str], global_threshold: bool, fn: str
+) -> None:
+    """A ValueError where ``state`` was made for other leaves than ``paths``, in another
+    order, or for the other kind of threshold: its rows would go to the wrong leaves."""
+    if global_threshold != (np.ndim(state.norm) == 0 and np.ndim(state.history) == 1):
+        kind = "one global history" if global_threshold else "per-leaf histories"
+        raise ValueError(
+            f"jaxclip.{fn}: this transformation keeps {kind}, but the state passed to update "
+            f"was made by one with global_threshold={not global_threshold}. Initialise the "
+            "state with this transformation's init."
+        )
+    if global_threshold:
+        return
+    if not isinstance(state.paths, dict):
+        raise TypeError(
+            f"jaxclip.{fn}: the state's paths field is {type(state.paths).__name__}, not the "
+            "dict init makes; initialise the state with this transformation's init."
+        )
+    keys = sorted(state.paths, key=lambda k: int(k.split(":", 1)[0]))
+    saved = [k.split(":", 1)[1] for k in keys]
+    _tree.check_same_selection(saved, paths, fn)
+    if len(saved) != len(paths):  # paths that join alike ("a/b" and "a" -> "b")
+        raise ValueError(
+            f"jaxclip.{fn}: the state has histories for {len(saved)} leaves, but update "
+            f"selects {len(paths)}. {_tree.SAME_SELECTION_HINT}"
+        )
+    if saved != list(paths):
+        at = next(i for i, (a, b) in enumerate(zip(saved, paths)) if a != b)
+        raise ValueError(
+            f"jaxclip.{fn}: update selects the leaf at {_tree.shown(paths[at])} in place "
+            f"{at}, where init had the leaf at {_tree.shown(saved[at])}: the same leaves in "
+            "another order (an OrderedDict, or a list reordered) would take each other's "
+            "histories. Pass the gradients in the order of the params given to init."
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("statistic", "global_threshold", "axis_name", "paths"))
@@ -453,7 +486,7 @@ def _history_step(
     # float32 state whatever the hyperparameters' dtype (NumPy float64 under x64): scan
     # carries need init's dtypes.
     threshold = threshold.astype(state.threshold.dtype)
-    return out, HistoryClipState(history, count, threshold, norm, state.rows)
+    return out, HistoryClipState(history, count, threshold, norm, state.paths)
 
 
 def _quantile(history: Array, count: Array, q: Any) -> Array:

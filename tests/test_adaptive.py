@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 import chex
@@ -480,11 +481,11 @@ def test_quantile_clip_state_has_one_row_per_selected_leaf():
     "make", [jaxclip.quantile_clip, jaxclip.standard_clip], ids=["quantile", "standard"]
 )
 def test_per_leaf_histories_follow_their_leaves_by_path(make):
-    """A tree with the same number of selected leaves under other paths is refused, naming
-    the leaf, under jit too; it does not take over the other leaves' histories (a leaf of
-    norm 100 was clipped to its renamed neighbour's threshold). Rows follow the selected
-    leaves by path (an unselected leaf between them is MaskedNode), and each leaf keeps
-    its own history across steps."""
+    """A tree with as many selected leaves under other paths, or the same paths in another
+    order, is refused, eagerly and under jit; it does not take over the other leaves'
+    histories (a leaf of norm 100 was clipped to its renamed neighbour's threshold). The
+    record holds no arrays (optax.tree_map_params hands it to transform_non_params whole).
+    A state of the other kind of threshold is refused."""
     tx = make(0.5, 4, need_clip=jaxclip.exclude_names("frozen"))
     first = {"a": jnp.array([3.0, 4.0]), "frozen": jnp.ones(2), "c": jnp.array([0.01])}
     state = tx.init(first)
@@ -492,16 +493,33 @@ def test_per_leaf_histories_follow_their_leaves_by_path(make):
         _, state = jax.jit(tx.update)(first, state)
     np.testing.assert_allclose(state.history[:, :3], [[5.0] * 3, [0.01] * 3], rtol=1e-6)
     renamed = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([100.0]), "frozen": jnp.ones(2)}
+    reordered = collections.OrderedDict(
+        [("c", first["c"]), ("frozen", first["frozen"]), ("a", first["a"])]
+    )
     for update in (tx.update, jax.jit(tx.update)):
-        with pytest.raises(ValueError, match=r"the leaf at 'c' .*init selected it"):
+        with pytest.raises(ValueError, match=r"entry for the leaf at 'c' .*init selected it"):
             update(renamed, state)
-    assert isinstance(state.rows["frozen"], optax.MaskedNode)
-    assert [int(state.rows["a"]), int(state.rows["c"])] == [0, 1]
+        with pytest.raises(ValueError, match=r"leaf at 'c' in place 0, where init had .* 'a'"):
+            update(reordered, state)
+    assert state.paths == {"0:a": optax.EmptyState(), "1:c": optax.EmptyState()}
+    abstract = optax.tree_map_params(
+        tx,
+        lambda x: x,
+        state,
+        transform_non_params=lambda t: jax.tree.map(
+            lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), t
+        ),
+    )
+    assert abstract.paths == state.paths
+    tg = make(0.5, 4, global_threshold=True)
+    with pytest.raises(ValueError, match=r"keeps per-leaf histories.*global_threshold=True"):
+        tx.update(first, tg.init(first))
+    with pytest.raises(ValueError, match=r"keeps one global history.*global_threshold=False"):
+        tg.update(first, state)
     # The global threshold keeps one history whatever the paths.
     tg = make(0.5, 4, global_threshold=True)
     _, sg = tg.update(first, tg.init(first))
     out, _ = tg.update(renamed, sg)
-    assert isinstance(sg.rows, optax.EmptyState)
     n = math.sqrt(25 + 2 + 1e4)
     want = 1.0 if make is jaxclip.standard_clip else min(1.0, math.sqrt(25 + 2 + 1e-4) / n)
     np.testing.assert_allclose(out["b"], [100.0 * want], rtol=1e-6)
