@@ -31,8 +31,8 @@ class NonFiniteNormError(FloatingPointError, jax.errors.JaxRuntimeError):
     same message text:
 
     - eagerly (the norm is concrete), this exception is raised as is: it is also a
-      ``FloatingPointError`` (what PyTorch's ``clip_grad_norm_`` raises) and a
-      ``jax.errors.JaxRuntimeError``;
+      ``FloatingPointError`` and a ``jax.errors.JaxRuntimeError``, itself a
+      ``RuntimeError`` (what PyTorch's ``clip_grad_norm_`` raises);
     - under ``jit`` (also inside ``optax.chain``, ``scan``, ``nnx.jit``, ``eqx.filter_jit``),
       the check runs in a host callback and JAX reports any exception raised there as a
       plain ``jax.errors.JaxRuntimeError`` whose message contains

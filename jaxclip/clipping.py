@@ -352,7 +352,8 @@ def clip_tree_by_global_norm(
       use_norm: a global norm computed already (as in TensorFlow); it is used as is.
       error_if_nonfinite: raise if the global norm is inf or NaN (a host sync per call).
       group: a callable ``group(path, leaf) -> label``: each label's leaves are clipped
-        by their own global norm (Paddle's ``group_name``).
+        by their own global norm (what Paddle's ``group_name`` did in static graphs; its
+        dygraph mode ignores it).
 
     Returns:
       ``(clipped, global_norm)``, the norm before clipping (float32, or float64 when a
@@ -599,7 +600,8 @@ def clip_by_global_norm(
 
     With ``n`` the norm of all selected leaves as one vector: if ``n <= clip_norm`` the
     updates are returned bit for bit, else multiplied by ``clip_norm / n`` (no epsilon:
-    Paddle and TensorFlow agree exactly, PyTorch to within its ``1e-6``). The pre-clip
+    Paddle and TensorFlow agree to 1-2 ulp, rounding theirs differently, PyTorch to within
+    its ``1e-6``). The pre-clip
     norm is kept in the state: :func:`~jaxclip.clip_stats` (or, with a single jaxclip mode
     in the chain, ``optax.tree.get(state, "global_norm")``) logs it.
 
@@ -622,7 +624,7 @@ def clip_by_global_norm(
       error_if_nonfinite: raise, also under ``jit``, when the global norm is inf or NaN;
         costs a device-to-host transfer and a sync per step. Catch
         ``jax.errors.JaxRuntimeError`` (see :class:`~jaxclip.NonFiniteNormError`).
-      group: a callable ``group(path, leaf) -> label`` (Paddle's ``group_name``): each
+      group: a callable ``group(path, leaf) -> label`` (Paddle's static-graph ``group_name``): each
         label's leaves are clipped by their own global norm, and the state holds a dict
         label -> norm. ``init`` (on the params) and ``update`` (on the updates) must find
         the same labels among the selected leaves; ``update`` raises a ValueError naming

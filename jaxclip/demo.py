@@ -340,7 +340,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--steps", type=int, default=STEPS, help=f"SGD steps (default {STEPS})")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=STEPS,
+        help=f"SGD steps, a multiple of {CHUNK} (rounded down; default {STEPS})",
+    )
     ap.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds (default {SEEDS})")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps, for tests")
     ap.add_argument("--out", default="jaxclip_demo.png", help="where to write the plot (PNG)")
@@ -361,7 +366,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     except ImportError:
         print(
             "no plot: matplotlib is not installed "
-            "(pip install 'jaxclip[demo]', or --no-plot to silence this)"
+            "(pip install -e '.[demo]' in the checkout, or --no-plot to silence this)"
         )
         return results
     plot(results, args.out)

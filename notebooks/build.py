@@ -318,7 +318,7 @@ package, nothing is downloaded) with DP-SGD at several noise multipliers, next t
 trained without privacy, and once with a clip norm that adapts to the median gradient norm
 (`adaptive_clip_per_example`, Andrew et al. 2021). The privacy each run buys (epsilon at
 delta = 1e-5) comes from Google's `dp-accounting` package when it is installed
-(`pip install jaxclip[dp]`).""",
+(`pip install -e ".[dp]"` in the checkout).""",
     ),
     (
         "code",
@@ -453,7 +453,7 @@ try:
         print(f"noise multiplier {z:3.1f}: epsilon {e:6.2f} at delta 1e-5 ({STEPS} steps, q = {Q:.3f})")
 except ImportError:
     eps = None
-    print("note: dp-accounting is not installed (pip install jaxclip[dp]); no epsilon shown.")""",
+    print("note: dp-accounting is not installed (pip install -e '.[dp]' in the checkout); no epsilon shown.")""",
     ),
     (
         "code",
