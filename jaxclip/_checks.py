@@ -182,14 +182,16 @@ def real(value: Any, name: str, fn: str, what: str, *, scalar: bool = True) -> n
     return v
 
 
-def check_clip_norm(clip_norm: Any, fn: str, name: str = "clip_norm") -> None:
-    """A norm threshold: a real scalar > 0 (inf turns clipping off)."""
-    what = "a real number > 0, e.g. 1.0 (a Python number or a JAX scalar array)"
+def check_clip_norm(clip_norm: Any, fn: str, name: str = "clip_norm", zero: bool = False) -> None:
+    """A norm threshold: a real scalar > 0 (inf turns clipping off); ``zero`` allows 0 (an
+    adaptive clip norm's start, which its updates move)."""
+    bound = ">= 0" if zero else "> 0"
+    what = f"a real number {bound}, e.g. 1.0 (a Python number or a JAX scalar array)"
     v = real(clip_norm, name, fn, what)
-    if v is not None and not v > 0:  # also catches NaN
+    if v is not None and not (v >= 0 if zero else v > 0):  # also catches NaN
         raise ValueError(
-            f"jaxclip.{fn}: {name}={clip_norm!r} must be > 0 (the largest norm the updates may "
-            "have after clipping); to turn clipping off, use float('inf')."
+            f"jaxclip.{fn}: {name}={clip_norm!r} must be {bound} (the largest norm the "
+            "updates may have after clipping); to turn clipping off, use float('inf')."
         )
 
 

@@ -588,7 +588,8 @@ def adaptive_clip_per_example(
     Unselected leaves (``need_clip``) get no noise and are not private.
 
     Args:
-      initial_clip_norm: the first update's clip norm, > 0.
+      initial_clip_norm: the first update's clip norm, >= 0 (TF-Privacy's tests start at 0
+        with ``geometric_update=False``; a geometric update keeps 0 at 0).
       target_unclipped_quantile: the fraction of examples to leave unclipped, in
         ``[0, 1]`` (0.5: the median, as the paper recommends).
       learning_rate: the step ``eta`` of the update of ``C`` (0.2 for geometric updates,
@@ -630,8 +631,8 @@ def adaptive_clip_per_example(
       TF-Privacy's ``QuantileAdaptiveClipSumQuery`` and ``QuantileEstimatorQuery``.
     """
     fn = "adaptive_clip_per_example"
-    _checks.check_clip_norm(initial_clip_norm, fn, "initial_clip_norm")
-    p = per_example.check_common(initial_clip_norm, norm_type, reduce, None, fn)
+    _checks.check_clip_norm(initial_clip_norm, fn, "initial_clip_norm", zero=True)
+    p = per_example.check_common(1.0, norm_type, reduce, None, fn)  # the norm checked above
     if reduce is None:
         raise ValueError(f'jaxclip.{fn}: reduce=None; pass "mean" or "sum".')
     _in_range(target_unclipped_quantile, "target_unclipped_quantile", fn, 0.0, 1.0)

@@ -27,7 +27,8 @@ PER_EXAMPLE = {"w": jnp.ones((4, 2, 3)), "b": jnp.ones((4, 3))}  # a batch of 4
 
 # Bad values by kind of argument.
 NOT_A_NUMBER = ["abc", None, [1.0, 2.0], object(), True, 1 + 2j]
-THRESHOLD = [*NOT_A_NUMBER, NAN, -1.0, 0.0, 0, -INF, BIG]  # > 0, inf allowed
+START = [*NOT_A_NUMBER, NAN, -1.0, -INF, BIG]  # >= 0, inf allowed (an adaptive start)
+THRESHOLD = [*START, 0.0, 0]  # > 0, inf allowed
 NONNEG_FINITE = [*NOT_A_NUMBER, NAN, INF, -INF, -1.0, BIG]  # >= 0 and finite
 POS_FINITE = [*NONNEG_FINITE, 0.0]
 NORM_TYPE = ["abc", None, object(), True, NAN, -1.0, 0.0, -INF]
@@ -252,7 +253,7 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any], dict[str, list[Any]]]
         tx(jaxclip.adaptive_clip_per_example),
         {"initial_clip_norm": 1.0},
         {
-            "initial_clip_norm": THRESHOLD,
+            "initial_clip_norm": START,
             "target_unclipped_quantile": [*NOT_A_NUMBER, NAN, INF, -0.5, 1.5, BIG],
             "learning_rate": NONNEG_FINITE,
             "noise_multiplier": NONNEG_FINITE,

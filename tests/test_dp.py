@@ -266,6 +266,17 @@ def test_adaptation_target_zero_geometric():
     np.testing.assert_allclose(clips, [8.0, 4.0, r, 2.0, 2.0], rtol=1e-6)
 
 
+def test_adaptation_target_one_arithmetic_from_zero():
+    # TF-Privacy starts this one at initial_l2_norm_clip=0.0 (a clip norm of 0 clips every
+    # example to 0; its updates move it).
+    sums, clips = _run_scripted(
+        [-1.5, 2.75], 5, initial_clip_norm=0.0, target_unclipped_quantile=1.0,
+        learning_rate=1.0, geometric_update=False,
+    )  # fmt: skip
+    np.testing.assert_allclose(sums, [0.0, 0.0, 0.5, 1.0, 1.25], atol=1e-6)
+    np.testing.assert_allclose(clips, [1.0, 2.0, 2.5, 3.0, 3.0], atol=1e-6)
+
+
 def test_adaptation_target_one_geometric():
     r = 2 * np.sqrt(2.0)
     sums, clips = _run_scripted(
@@ -426,7 +437,7 @@ def test_adaptive_noise_multiplier_and_errors():
         jaxclip.adaptive_clip_noise_multiplier(1.0, 0.5)
     with pytest.raises(ValueError, match=r"target_unclipped_quantile=1\.5"):
         jaxclip.adaptive_clip_per_example(1.0, target_unclipped_quantile=1.5)
-    with pytest.raises(ValueError, match=r"initial_clip_norm=-1\.0 must be > 0"):
+    with pytest.raises(ValueError, match=r"initial_clip_norm=-1\.0 must be >= 0"):
         jaxclip.adaptive_clip_per_example(-1.0)
     with pytest.raises(ValueError, match="expected_num_records=0"):
         jaxclip.adaptive_clip_per_example(1.0, expected_num_records=0)
