@@ -1,6 +1,7 @@
 """One of two processes with 4 CPU devices each (see test_multiprocess.py): builds a global
-2x4 mesh over both, runs every mode under ``jit`` over the mesh and inside ``shard_map``,
-trains each mode 20 steps tensor- plus data-parallel, and (process 0) saves the results.
+2x4 mesh over both, runs the norm and history modes under ``jit`` over the mesh and inside
+``shard_map``, trains each 20 steps tensor- plus data-parallel, runs the per-example modes
+and ``clipped_grad`` data parallel (:func:`dp`), and (process 0) saves the results.
 
 Usage: ``python _multiprocess_worker.py PROCESS_ID PORT OUT.npz``
 """
@@ -10,8 +11,10 @@ from __future__ import annotations
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -66,6 +69,61 @@ def train(pid: int) -> dict[str, np.ndarray]:
 
 BATCHED = ("clip_per_example", "adaptive_clip_per_example")
 
+#: The per-example modes data parallel: the batch split over both mesh axes.
+DP = {
+    "dp_clip": lambda: jaxclip.clip_per_example(1.0, reduce="sum", axis_name=()),
+    "dp_noised": lambda: jaxclip.clip_per_example(
+        1.0, reduce="sum", noise_multiplier=1.0, seed=jax.random.PRNGKey(1), axis_name=()
+    ),
+    "dp_adaptive": lambda: jaxclip.adaptive_clip_per_example(
+        1.0, reduce="sum", noise_multiplier=0.5, seed=jax.random.PRNGKey(2), axis_name=()
+    ),
+}
+
+
+def dp(mesh: jax.sharding.Mesh) -> dict[str, np.ndarray]:
+    """Three steps of each DP mode inside ``shard_map`` (each device's examples clipped,
+    the sums psum'd, noise included) and ``clipped_grad``: the sums and the states."""
+    rng = np.random.default_rng(1)
+    host = {
+        "w": (rng.normal(size=(16, 300)) * np.linspace(0.001, 0.1, 16)[:, None]),
+        "b": rng.normal(size=(16, 7)),
+    }
+    axes = ("data", "model")
+    rows = NamedSharding(mesh, P(axes))
+    g = {
+        k: jax.make_array_from_callback(v.shape, rows, lambda i, v=v: v[i].astype(np.float32))
+        for k, v in host.items()
+    }
+    params = {k: np.zeros(v.shape[1:], np.float32) for k, v in host.items()}
+    out: dict[str, np.ndarray] = {}
+    with jax.set_mesh(mesh):
+        for name, make in DP.items():
+            tx = make()
+
+            def step(g, s, tx=tx):
+                u, s = tx.update(g, s)
+                return jax.tree.map(lambda x: lax.psum(x, axes), u), s
+
+            run = jax.jit(jax.shard_map(step, in_specs=(P(axes), P()), out_specs=(P(), P())))
+            s = tx.init(params)
+            for i in range(3):
+                u, s = run(g, s)
+                for k, v in u.items():
+                    out[f"{name}/{i}/{k}"] = np.asarray(v.addressable_data(0))
+                for j, v in enumerate(jax.tree.leaves(s)):
+                    typed = jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+                    v = jax.random.key_data(v) if typed else v
+                    out[f"{name}/{i}/state{j}"] = np.asarray(v.addressable_data(0))
+        grad = jaxclip.clipped_grad(lambda w, x: 0.5 * jnp.sum((w - x) ** 2), 1.0)
+        run = jax.jit(
+            jax.shard_map(
+                lambda w, x: lax.psum(grad(w, x), axes), in_specs=(P(), P(axes)), out_specs=P()
+            )
+        )
+        out["clipped_grad"] = np.asarray(run(np.zeros(300, np.float32), g["w"]).addressable_data(0))
+    return out
+
 
 def main(pid: int, port: str, out_path: str) -> None:
     # The test sets XLA_FLAGS to 4 host devices; nothing touches a device before this.
@@ -93,6 +151,7 @@ def main(pid: int, port: str, out_path: str) -> None:
             for i, v in enumerate(jax.tree.leaves(aux)):
                 results[f"{how}/{name}/aux{i}"] = multihost_utils.process_allgather(v, tiled=True)
     results.update(train(pid))
+    results.update(dp(mesh))
     if pid == 0:
         np.savez(out_path, **results)
     jax.distributed.shutdown()

@@ -1,7 +1,9 @@
 """Two processes with 4 CPU devices each (``jax.distributed`` on localhost, gloo
-collectives), one global mesh: every mode, under ``jit`` and inside ``shard_map``, gives
-the one-process result, and 20 tensor- plus data-parallel training steps of every mode
-equal the one-device run. Slow (two fresh JAX processes): ``python -m pytest -m slow``."""
+collectives), one global mesh: the norm and history modes, under ``jit`` and inside
+``shard_map``, give the one-process result, 20 tensor- plus data-parallel training steps
+of each equal the one-device run, and the per-example modes (noise included) and
+``clipped_grad`` data parallel give the one-process sums and states. Slow (two fresh JAX
+processes): ``python -m pytest -m slow``."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -70,6 +73,17 @@ def test_two_processes_give_the_one_process_results(tmp_path):
         n = len(jax.tree.leaves(want))
         leaves = [got[f"train/{name}/{i}"] for i in range(n)]
         tt._compare(name, jax.tree.unflatten(jax.tree.structure(want), leaves))
+    # The per-example modes data parallel (noise included) and clipped_grad: as on one
+    # process's 8 devices, and the noise-free sum against float64.
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    for key, want in w.dp(mesh).items():
+        np.testing.assert_allclose(got[key], want, rtol=2e-6, atol=1e-6, err_msg=key)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 300)) * np.linspace(0.001, 0.1, 16)[:, None]
+    b = rng.normal(size=(16, 7))
+    n = np.sqrt(np.sum(x.astype(np.float32).astype(np.float64) ** 2, 1) + np.sum(b**2, 1))
+    f = np.minimum(1.0, 1.0 / n)[:, None]
+    np.testing.assert_allclose(got["dp_clip/0/w"], (f * x).sum(0), rtol=1e-5, atol=1e-6)
     # And the reference itself: the global norm in float64.
     full = np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in host.values()))
     np.testing.assert_allclose(got["shard_map/global_p2/aux0"], full, rtol=2e-6)
