@@ -184,6 +184,8 @@ def _contract(w: Array, xs: Sequence[Array]) -> list[Array]:
             out[i] = lax.dot_general(w.astype(x.dtype), x, _BATCH, precision=high)
         elif x.dtype == jnp.bfloat16:
             split.append(i)
+        elif x.dtype.itemsize < 4 and x.ndim > 1:  # float16, float8
+            out[i] = lax.platform_dependent(w, x, cpu=_contract_looped, default=_dot)
         else:
             out[i] = _dot(w, x)
     if split:
@@ -203,6 +205,35 @@ def _dot(w: Array, x: Array) -> Array:
     acc = _norms.acc_dtype(x.dtype)
     high = lax.Precision.HIGHEST
     return lax.dot_general(w.astype(acc), x, _BATCH, precision=high, preferred_element_type=acc)
+
+
+#: :func:`_contract_looped` upcasts blocks of about this many elements (64 KiB in float32).
+LOOP_BLOCK = 1 << 14
+
+
+def _contract_looped(w: Array, x: Array) -> Array:
+    """The contraction of a float16 (or 8-bit) ``x`` on XLA:CPU, which widens such an
+    operand of a dot (of any operand dtype) into a float32 copy of the whole leaf: the
+    same dot over blocks of ``x``'s columns in a loop, each block upcast on its own (about
+    :data:`LOOP_BLOCK` elements), so the widened data never exceeds a block."""
+    batch = x.shape[0]
+    flat = x.reshape(batch, -1)
+    size = flat.shape[1]
+    width = max(1, LOOP_BLOCK // max(batch, 1))
+    blocks = size // width
+    if blocks < 2:
+        return _dot(w, x)
+
+    def body(i: Any, out: Array) -> Array:
+        part = lax.dynamic_slice_in_dim(flat, i * width, width, axis=1)
+        return lax.dynamic_update_slice_in_dim(out, _dot(w, part), i * width, 0)
+
+    acc = _norms.acc_dtype(x.dtype)
+    out = lax.fori_loop(0, blocks, body, jnp.zeros((size,), acc))
+    if blocks * width < size:
+        tail = _dot(w, flat[:, blocks * width :])
+        out = lax.dynamic_update_slice_in_dim(out, tail, blocks * width, 0)
+    return out.reshape(x.shape[1:])
 
 
 def _contract_wide(w: Array, *xs: Array) -> list[Array]:

@@ -334,6 +334,21 @@ def test_an_empty_batch_has_no_mean():
     assert norms.shape == (0,)
 
 
+@pytest.mark.parametrize(("batch", "shape"), [(16, (70, 113)), (3, (130, 113)), (5, (4,))])
+def test_float16_sums_over_blocks_of_columns(batch, shape):
+    """float16 per-example sums (XLA:CPU: a dot per block of columns, with a tail) against
+    float64: several blocks and a tail, two blocks and a tail, and one small leaf."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(batch, *shape)) * rng.lognormal(0, 2, (batch,) + (1,) * len(shape))
+    x = x.astype(np.float16)
+    x64 = x.astype(np.float64).reshape(batch, -1)
+    f = np.minimum(1.0, 0.5 / np.linalg.norm(x64, axis=1))[:, None]
+    got, _ = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 0.5))({"x": jnp.asarray(x)})
+    assert got["x"].dtype == jnp.float16
+    want = (f * x64).sum(0).reshape(shape)
+    np.testing.assert_allclose(np.asarray(got["x"], np.float64), want, rtol=1e-3, atol=1e-6)
+
+
 def test_complex_leaves_get_noise_on_both_parts():
     # A complex parameter is two real ones (its norm is that of the pair): the Gaussian
     # mechanism adds the full std to each part, independently.
@@ -392,7 +407,7 @@ def test_integer_and_float0_leaves_with_a_reduction():
 
 
 @xla_cpu_only
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_no_per_example_copy_and_temp_within_optax(dtype):
     """The sum contracts the per-example factors with each leaf: XLA's temp holds no
@@ -405,7 +420,10 @@ def test_no_per_example_copy_and_temp_within_optax(dtype):
     g |= {f"b{i}": jnp.ones((batch, 128), dtype) for i in range(4)}
     ours = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0)).lower(g).compile()
     temp = ours.memory_analysis().temp_size_in_bytes
-    assert temp < batch * 64 * 128 * 4 / 4, temp  # a float32 copy of a "w" would be 4x this
+    # A float32 copy of a "w" would be 4x this (float16: 2x; its sums' float32 accumulators,
+    # a "w" example each, are temporaries too, and XLA:CPU widens a float16 dot's operand:
+    # the dot runs over blocks of columns, each widened alone; the whole tree was 2.2 MB).
+    assert temp < batch * 64 * 128 * 4 / (2 if dtype == jnp.float16 else 4), temp
     if dtype == jnp.float32:  # optax widens bf16 (137 MB on the benchmark's MLP): no contest
         theirs = jax.jit(lambda t: optax.per_example_global_norm_clip(t, 1.0)).lower(g).compile()
         assert temp <= theirs.memory_analysis().temp_size_in_bytes + 16 * batch * 4
