@@ -245,10 +245,11 @@ def _some(gpaths: Sequence[tuple[Any, ...]], n: int = 4) -> str:
 
 #: What to do when init and update select different leaves (see :func:`check_same_selection`).
 SAME_SELECTION_HINT = (
-    "init and update must select the same leaves so that their states match. A callable "
-    "need_clip is called on the params in init and on the gradients in update: select by "
-    "path or shape, not by dtype or value (e.g. need_clip=lambda path, leaf: leaf.ndim > 1), "
-    "or pass init a tree like the gradients."
+    "init and update must select the same leaves (the same paths) so that their states "
+    "match: pass init params of the gradients' structure, or restore a state saved for this "
+    "tree. Where need_clip is a callable, it is called on the params in init and on the "
+    "gradients in update: select by path or shape, not by dtype or value (e.g. "
+    "need_clip=lambda path, leaf: leaf.ndim > 1)."
 )
 
 
