@@ -207,32 +207,33 @@ def _dot(w: Array, x: Array) -> Array:
     return lax.dot_general(w.astype(acc), x, _BATCH, precision=high, preferred_element_type=acc)
 
 
-#: :func:`_contract_looped` upcasts blocks of about this many elements (64 KiB in float32).
+#: :func:`_contract_looped` upcasts blocks of about this many elements (64 KiB in float32)...
 LOOP_BLOCK = 1 << 14
+#: ... of at least this many columns: narrower blocks (batches of thousands) loop slower
+#: than the widened copy is written.
+LOOP_MIN_COLUMNS = 256
 
 
 def _contract_looped(w: Array, x: Array) -> Array:
     """The contraction of a float16 (or 8-bit) ``x`` on XLA:CPU, which widens such an
     operand of a dot (of any operand dtype) into a float32 copy of the whole leaf: the
-    same dot over blocks of ``x``'s columns in a loop, each block upcast on its own (about
-    :data:`LOOP_BLOCK` elements), so the widened data never exceeds a block."""
+    same dot over blocks of ``x``'s columns (:data:`LOOP_BLOCK`, :data:`LOOP_MIN_COLUMNS`),
+    each block upcast on its own. The blocks are ``lax.map``'s outputs, not a carry, so
+    that inside ``shard_map`` they vary over the devices as ``x`` does."""
     batch = x.shape[0]
-    flat = x.reshape(batch, -1)
+    flat = x.reshape(batch, -1) if x.size else x.reshape(batch, math.prod(x.shape[1:]))
     size = flat.shape[1]
-    width = max(1, LOOP_BLOCK // max(batch, 1))
+    width = max(LOOP_MIN_COLUMNS, LOOP_BLOCK // max(batch, 1))
     blocks = size // width
-    if blocks < 2:
+    if blocks < 2 or batch == 0:
         return _dot(w, x)
 
-    def body(i: Any, out: Array) -> Array:
-        part = lax.dynamic_slice_in_dim(flat, i * width, width, axis=1)
-        return lax.dynamic_update_slice_in_dim(out, _dot(w, part), i * width, 0)
+    def block(i: Array) -> Array:
+        return _dot(w, lax.dynamic_slice_in_dim(flat, i * width, width, axis=1))
 
-    acc = _norms.acc_dtype(x.dtype)
-    out = lax.fori_loop(0, blocks, body, jnp.zeros((size,), acc))
+    out = lax.map(block, jnp.arange(blocks)).reshape(-1)
     if blocks * width < size:
-        tail = _dot(w, flat[:, blocks * width :])
-        out = lax.dynamic_update_slice_in_dim(out, tail, blocks * width, 0)
+        out = jnp.concatenate([out, _dot(w, flat[:, blocks * width :])])
     return out.reshape(x.shape[1:])
 
 
@@ -254,7 +255,7 @@ def _contract_split(w: Array, *xs: Array) -> list[Array]:
     would be. Every term ``w[b] * x[b]`` is at most ``clip_norm`` in norm, so the scaled
     ones stay finite."""
     w = w.astype(jnp.float32)
-    tiny = jnp.min(jnp.where(w > 0, w, 1)) < 2.0**-100
+    tiny = jnp.min(jnp.where(w > 0, w, 1), initial=1.0) < 2.0**-100  # initial: no examples
     scale = jnp.where(tiny, jnp.float32(2.0**24), jnp.float32(1))
     w = w * scale
     hi = w.astype(jnp.bfloat16)

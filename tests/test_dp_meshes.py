@@ -364,3 +364,24 @@ def test_complex_leaves_keep_their_imaginary_part_with_the_batch_split():
             got, unclipped = clip(g), keep(g)
         np.testing.assert_allclose(np.asarray(got["z"]), (f * z64).sum(0), rtol=2e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(unclipped["z"]), z64.sum(0), rtol=2e-6, atol=1e-6)
+
+
+def test_float16_sums_in_data_parallel_shard_map():
+    """float16 per-example sums inside shard_map (XLA:CPU's loop over blocks of columns
+    must vary over the devices as the leaf does), psum'd, against float64."""
+    rng = np.random.default_rng(2)
+    x = (rng.normal(size=(64, 70, 113)) * 0.05).astype(np.float16)
+    x64 = x.astype(np.float64).reshape(64, -1)
+    f = np.minimum(1.0, 1.0 / np.linalg.norm(x64, axis=1))[:, None]
+    want = (f * x64).sum(0).reshape(70, 113)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+
+    def local(g):
+        s, _ = jaxclip.clip_tree_per_example(g, 1.0, axis_name=())
+        return jax.tree.map(lambda v: lax.psum(v, "data"), s)
+
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"),), out_specs=P()))
+    with jax.set_mesh(mesh):
+        got = run({"x": jax.device_put(x, NamedSharding(mesh, P("data")))})
+    # Eight float16 partial sums, each rounded, then added in float16: a few ulp of 0.3.
+    np.testing.assert_allclose(np.asarray(got["x"], np.float64), want, rtol=2e-3, atol=5e-4)

@@ -349,6 +349,15 @@ def test_float16_sums_over_blocks_of_columns(batch, shape):
     np.testing.assert_allclose(np.asarray(got["x"], np.float64), want, rtol=1e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_16_bit_sums_of_an_empty_batch_are_zero(dtype):
+    g = {"w": jnp.zeros((0, 64, 300), dtype), "b": jnp.zeros((0, 3), dtype)}
+    out, norms = jax.jit(lambda t: jaxclip.clip_tree_per_example(t, 1.0))(g)
+    assert norms.shape == (0,)
+    for k, v in out.items():
+        assert v.dtype == dtype and v.shape == g[k].shape[1:] and not np.any(np.asarray(v))
+
+
 def test_complex_leaves_get_noise_on_both_parts():
     # A complex parameter is two real ones (its norm is that of the pair): the Gaussian
     # mechanism adds the full std to each part, independently.
