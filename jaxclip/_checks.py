@@ -307,7 +307,8 @@ def static_int(value: Any, name: str, fn: str) -> int:
         except TypeError:  # floats, strings, traced arrays (JAX's errors are TypeErrors)
             n = None
     if n is None or n < 1:
-        raise ValueError(
+        # The wrong type (a float, a string) is a TypeError, as in autoclip's own checks.
+        raise (TypeError if n is None else ValueError)(
             f"jaxclip.{fn}: {name}={value!r} must be a Python int >= 1 (it sizes the state); "
             f"with optax.inject_hyperparams pass static_args=({name!r},)."
         )

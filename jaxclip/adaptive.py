@@ -361,13 +361,15 @@ class HistoryClipState(NamedTuple):
       finite_count: how many finite norms were recorded in all.
       threshold: the threshold of the last update (inf before any norm was recorded).
       norm: the pre-clip norm of the last update (the global norm, or each leaf's).
-      paths: which leaves the rows belong to (``global_threshold=False``): a dict
-        ``{"<row>:<path>": optax.EmptyState()}`` over the selected leaves, ``{}`` with
-        ``global_threshold=True``. Its keys are static under ``jit`` and saved with the
-        state, and it holds no arrays (``optax.tree_map_params`` hands it to
-        ``transform_non_params`` as one subtree). ``update`` raises a ValueError naming the
-        leaf when the updates' selected paths, or their order, are not those ``init``
-        saw, so that a renamed or reordered tree never takes another leaf's history.
+      paths: which leaves the rows belong to (``global_threshold=False``): a dict with
+        one key, the selected leaves' paths in order joined by newlines, whose value is
+        ``optax.EmptyState()``; ``{}`` with ``global_threshold=True``. The key is static
+        under ``jit`` and saved with the state, and the field holds no arrays
+        (``optax.tree_map_params`` hands it to ``transform_non_params`` as one subtree).
+        ``update`` raises a ValueError naming the leaf when the updates' selected paths,
+        or their order, are not those ``init`` saw, so that a renamed tree (or a dict
+        reordered, an ``OrderedDict``) never takes another leaf's history. Leaves with
+        the same paths in another order (a list reordered) cannot be told apart.
     """
 
     history: Array
@@ -394,7 +396,7 @@ def _history_clip(
         if not global_threshold:
             sel = _tree.select(params, need_clip, what="adaptive clipping")
             lead = (len(sel.chosen),)
-            paths = {f"{i}:{p}": optax.EmptyState() for i, p in enumerate(sel.chosen_paths)}
+            paths = {"\n".join(sel.chosen_paths): optax.EmptyState()}  # one node: cheap
             if _tree.is_params_placeholder(params):
                 # optax.tree_map_params' stand-in: a leaf, so that the real record (whose
                 # keys it cannot know) reaches transform_non_params whole.
@@ -434,13 +436,13 @@ def _check_history_state(
         )
     if global_threshold:
         return
-    if not isinstance(state.paths, dict):
+    if not isinstance(state.paths, dict) or len(state.paths) != 1:
         raise TypeError(
-            f"jaxclip.{fn}: the state's paths field is {type(state.paths).__name__}, not the "
-            "dict init makes; initialise the state with this transformation's init."
+            f"jaxclip.{fn}: the state's paths field is not the one-key dict init makes; "
+            "initialise the state with this transformation's init."
         )
-    keys = sorted(state.paths, key=lambda k: int(k.split(":", 1)[0]))
-    saved = [k.split(":", 1)[1] for k in keys]
+    (key,) = state.paths
+    saved = key.split("\n") if key else []
     _tree.check_same_selection(saved, paths, fn)
     if len(saved) != len(paths):  # paths that join alike ("a/b" and "a" -> "b")
         raise ValueError(
@@ -452,8 +454,8 @@ def _check_history_state(
         raise ValueError(
             f"jaxclip.{fn}: update selects the leaf at {_tree.shown(paths[at])} in place "
             f"{at}, where init had the leaf at {_tree.shown(saved[at])}: the same leaves in "
-            "another order (an OrderedDict, or a list reordered) would take each other's "
-            "histories. Pass the gradients in the order of the params given to init."
+            "another order (an OrderedDict, say) would take each other's histories. Pass "
+            "the gradients in the order of the params given to init."
         )
 
 
@@ -680,10 +682,11 @@ class ZClipState(NamedTuple):
       global_norm: the pre-clip global norm of the last update.
       std: the moving standard deviation, exact where ``var`` cannot hold its square.
         The update uses it while ``var == std**2`` (as the update leaves them), and
-        ``sqrt(var)`` otherwise: to start from given statistics set ``mean`` and ``var``
-        (``state._replace(mean=1.0, var=0.25)``, as the reference's tests set
-        ``zclip.mean`` and ``zclip.var``); ``None`` (a state built without it, which
-        the update keeps so) is ``sqrt(var)``.
+        ``sqrt(var)`` otherwise: to start from given statistics, past the warm-up, set
+        ``mean``, ``var`` and ``finite_count`` (``state._replace(mean=1.0, var=0.25,
+        finite_count=warmup_steps)``, as the reference's tests set ``zclip.mean``,
+        ``zclip.var`` and ``zclip.initialized``); ``None`` (a state built without it,
+        which the update keeps so) is ``sqrt(var)``.
     """
 
     mean: Array

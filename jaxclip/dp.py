@@ -588,8 +588,9 @@ def adaptive_clip_per_example(
     Unselected leaves (``need_clip``) get no noise and are not private.
 
     Args:
-      initial_clip_norm: the first update's clip norm, >= 0 (TF-Privacy's tests start at 0
-        with ``geometric_update=False``; a geometric update keeps 0 at 0).
+      initial_clip_norm: the first update's clip norm, >= 0; 0 only with
+        ``geometric_update=False`` (TF-Privacy's tests start there; a geometric update
+        would keep it at 0).
       target_unclipped_quantile: the fraction of examples to leave unclipped, in
         ``[0, 1]`` (0.5: the median, as the paper recommends).
       learning_rate: the step ``eta`` of the update of ``C`` (0.2 for geometric updates,
@@ -643,6 +644,13 @@ def adaptive_clip_per_example(
         noise_multiplier, "noise_multiplier", fn, "the sum's noise over the clip norm"
     )
     _checks.check_flag(geometric_update, "geometric_update", fn)
+    if geometric_update and _checks.concrete(initial_clip_norm) == 0:
+        raise ValueError(
+            f"jaxclip.{fn}: initial_clip_norm=0 with geometric_update=True: a geometric "
+            "update multiplies the clip norm, so it would stay 0 and every update would be "
+            "0. Start above 0, or pass geometric_update=False (TF-Privacy's arithmetic "
+            "update, which moves it from 0)."
+        )
     _checks.check_seed(seed, fn)
     _checks.check_need_clip(need_clip, fn)
     _axes.check(axis_name, fn)

@@ -276,6 +276,39 @@ def test_zclip_matches_reference_and_recorded_package(run):
     assert clipped >= 2  # the spikes (at least) were clipped
 
 
+#: zclip's test_zscore_clipping and neighbours: statistics preset to mean 1, var 0.25 past the
+#: warm-up, one gradient of norm 3. Recorded from zclip 1.0.0 (torch 2.13 CPU): the post-clip
+#: norm, then mean and var after the step. Its scale has ``+ 1e-6`` in the denominator.
+ZCLIP_PRESET = [
+    ({"z_thresh": 2.0}, 0.9999996423721313, 1.01500003, 0.24955677822702824),
+    (
+        {"z_thresh": 2.0, "max_grad_norm": None},
+        1.5000004768371582,
+        1.01500003,
+        0.24955677822702824,
+    ),
+    ({"clip_option": "mean", "max_grad_norm": None}, 0.9999996423721313, 1.0, 0.2425),
+    (
+        {"z_thresh": 2.0, "clip_factor": 0.5, "max_grad_norm": None},
+        0.7500002384185791,
+        0.992500015,
+        0.24426418044325704,
+    ),
+]
+
+
+@pytest.mark.parametrize(("kw", "post", "mean", "var"), ZCLIP_PRESET)
+def test_zclip_from_preset_statistics_as_the_package(kw, post, mean, var):
+    """The docstring's recipe: mean, var and finite_count set past the warm-up."""
+    tx = jaxclip.zclip(warmup_steps=5, **kw)
+    g = {"w": jnp.zeros((4, 3)).at[0, 0].set(3.0), "b": jnp.zeros(3)}
+    state = tx.init(g)._replace(mean=jnp.float32(1.0), var=jnp.float32(0.25), finite_count=5)
+    out, state = tx.update(g, state)
+    np.testing.assert_allclose(float(jaxclip.global_norm(out)), post, rtol=2e-6)
+    np.testing.assert_allclose(float(state.mean), mean, rtol=2e-6)
+    np.testing.assert_allclose(float(state.var), var, rtol=2e-5)
+
+
 def test_zclip_defaults_are_the_reference_defaults():
     import inspect
 

@@ -275,6 +275,8 @@ def test_adaptation_target_one_arithmetic_from_zero():
     )  # fmt: skip
     np.testing.assert_allclose(sums, [0.0, 0.0, 0.5, 1.0, 1.25], atol=1e-6)
     np.testing.assert_allclose(clips, [1.0, 2.0, 2.5, 3.0, 3.0], atol=1e-6)
+    with pytest.raises(ValueError, match="geometric_update=True: a geometric update"):
+        jaxclip.adaptive_clip_per_example(0.0)  # it would stay 0
 
 
 def test_adaptation_target_one_geometric():
