@@ -94,4 +94,4 @@ def test_no_matplotlib_no_crash(monkeypatch, capsys):
     monkeypatch.setattr(demo, "summary", lambda results: {"best_unclipped_lr": 4.0})
     demo.main(["--quick"])
     out = capsys.readouterr().out
-    assert "TABLE" in out and "pip install 'jaxclip[demo]'" in out
+    assert "TABLE" in out and "pip install -e '.[demo]'" in out
