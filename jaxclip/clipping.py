@@ -601,9 +601,9 @@ def clip_by_global_norm(
     With ``n`` the norm of all selected leaves as one vector: if ``n <= clip_norm`` the
     updates are returned bit for bit, else multiplied by ``clip_norm / n`` (no epsilon:
     Paddle and TensorFlow agree to 1-2 ulp, rounding theirs differently, PyTorch to within
-    its ``1e-6``). The pre-clip
-    norm is kept in the state: :func:`~jaxclip.clip_stats` (or, with a single jaxclip mode
-    in the chain, ``optax.tree.get(state, "global_norm")``) logs it.
+    its ``1e-6``). The pre-clip norm is kept in the state: :func:`~jaxclip.clip_stats` (or,
+    with a single jaxclip mode in the chain, ``optax.tree.get(state, "global_norm")``) logs
+    it.
 
     The counterpart of Paddle's ``ClipGradByGlobalNorm``, PyTorch's
     ``clip_grad_norm_(params, max_norm, norm_type)``, ``tf.clip_by_global_norm`` and

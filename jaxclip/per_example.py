@@ -221,7 +221,7 @@ def _contract_looped(w: Array, x: Array) -> Array:
     each block upcast on its own. The blocks are ``lax.map``'s outputs, not a carry, so
     that inside ``shard_map`` they vary over the devices as ``x`` does."""
     batch = x.shape[0]
-    flat = x.reshape(batch, -1) if x.size else x.reshape(batch, math.prod(x.shape[1:]))
+    flat = x.reshape(batch, math.prod(x.shape[1:]))  # not -1: a batch may be empty
     size = flat.shape[1]
     width = max(LOOP_MIN_COLUMNS, LOOP_BLOCK // max(batch, 1))
     blocks = size // width
