@@ -362,7 +362,7 @@ class HistoryClipState(NamedTuple):
       threshold: the threshold of the last update (inf before any norm was recorded).
       norm: the pre-clip norm of the last update (the global norm, or each leaf's).
       paths: which leaves the rows belong to (``global_threshold=False``): a dict with
-        one key, the selected leaves' paths in order joined by newlines, whose value is
+        one key, the selected leaves' paths in order, each ending in a newline, whose value is
         ``optax.EmptyState()``; ``{}`` with ``global_threshold=True``. The key is static
         under ``jit`` and saved with the state, and the field holds no arrays
         (``optax.tree_map_params`` hands it to ``transform_non_params`` as one subtree).
@@ -396,7 +396,9 @@ def _history_clip(
         if not global_threshold:
             sel = _tree.select(params, need_clip, what="adaptive clipping")
             lead = (len(sel.chosen),)
-            paths = {"\n".join(sel.chosen_paths): optax.EmptyState()}  # one node: cheap
+            # One node (cheap to flatten); each path ends in a newline, so that a tree
+            # that is one array (path "") differs from a tree of no selected leaves.
+            paths = {"".join(f"{p}\n" for p in sel.chosen_paths): optax.EmptyState()}
             if _tree.is_params_placeholder(params):
                 # optax.tree_map_params' stand-in: a leaf, so that the real record (whose
                 # keys it cannot know) reaches transform_non_params whole.
@@ -442,7 +444,7 @@ def _check_history_state(
             "initialise the state with this transformation's init."
         )
     (key,) = state.paths
-    saved = key.split("\n") if key else []
+    saved = key.split("\n")[:-1]
     _tree.check_same_selection(saved, paths, fn)
     if len(saved) != len(paths):  # paths that join alike ("a/b" and "a" -> "b")
         raise ValueError(

@@ -501,7 +501,13 @@ def test_per_leaf_histories_follow_their_leaves_by_path(make):
             update(renamed, state)
         with pytest.raises(ValueError, match=r"leaf at 'c' in place 0, where init had .* 'a'"):
             update(reordered, state)
-    assert state.paths == {"a\nc": optax.EmptyState()}
+    assert state.paths == {"a\nc\n": optax.EmptyState()}
+    # A tree that is one array (its path is "") against a tree of none selected.
+    one, none = make(0.5, 4), make(0.5, 4, need_clip=False)
+    out, _ = one.update(first["a"], one.init(first["a"]))  # the root leaf's own history
+    np.testing.assert_array_equal(out, first["a"])
+    with pytest.raises(ValueError, match="update selects the leaf at the root"):
+        one.update(first["a"], none.init(first["a"]))
     abstract = optax.tree_map_params(
         tx,
         lambda x: x,
