@@ -847,7 +847,9 @@ def zclip(
         del params
         sel, xs, norm, parts = _selected(updates, need_clip, axis_name, "zclip")
         finite = jnp.isfinite(norm)
-        warming = state.finite_count < warmup_steps
+        # An array even where a state was edited with a Python int (the docstring's recipe):
+        # `~` of a Python bool is not a logical not.
+        warming = jnp.asarray(state.finite_count) < warmup_steps
         std = _zclip_std(state)
         if mode == "percentile":
             limit = state.mean + z_thresh * std
