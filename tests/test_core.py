@@ -77,7 +77,7 @@ def test_frexp_ldexp_pow2_are_exact():
 def test_norm_value_and_from_root():
     for frac, exp in ((0.75, 0.0), (0.75, 200.0), (0.6, -200.0), (1.5, 100.0), (0.0, 5.0)):
         want = frac * 2.0**exp
-        want = want if want <= F32.max else math.inf
+        want = want if want <= float(F32.max) else math.inf  # float: no cast to float32
         got = float(arith.Norm(jnp.float32(frac), jnp.float32(exp)).value)
         assert got == pytest.approx(want, rel=1e-7, abs=0) or (want < F32.tiny and got < 1e-37)
     g = F32.maxexp // 2
@@ -87,9 +87,9 @@ def test_norm_value_and_from_root():
         frac, exp = float(n.frac), float(n.exp)
         assert frac * 2.0**exp == pytest.approx(r * 2.0**e, rel=1e-7), (r, e)
         value = r * 2.0**e
-        if value == 0 or F32.tiny <= value <= F32.max:
+        if value == 0 or float(F32.tiny) <= value <= float(F32.max):
             assert exp == 0, (r, e)
-        elif value > F32.max:
+        elif value > float(F32.max):
             assert 2.0 ** (g - 1) <= frac < 2.0**g, (r, e)
         else:
             assert 2.0 ** (-g - 1) <= frac < 2.0**-g, (r, e)
