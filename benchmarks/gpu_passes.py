@@ -74,19 +74,17 @@ def _siblings(x: Any, elem: Any, axes: Any, fused: bool) -> tuple[Any, ...]:
 def compile_with(
     flag: bool | None, fn: Any, args: tuple, siblings: bool = False
 ) -> tuple[Any, float]:
-    """``fn`` compiled with ``backend.ONE_PASS = flag``; with ``siblings``, Blue's three
-    sums as three reductions (XLA's sibling fusion) instead of one variadic reduce."""
+    """``fn`` compiled (``matrix._compile``: fresh, timed) with ``backend.ONE_PASS =
+    flag``; with ``siblings``, Blue's three sums as three reductions (XLA's sibling
+    fusion) instead of one variadic reduce."""
     backend.ONE_PASS = flag
     if siblings:
         passes.variadic_sum = _siblings
-    jax.clear_caches()
-    t0 = time.perf_counter()
     try:
-        compiled = jax.jit(lambda *a: fn(*a)).lower(*args).compile()
+        return matrix._compile(fn, args, 0.0)  # no cap: no alarm
     finally:
         backend.ONE_PASS = None
         passes.variadic_sum = backend.variadic_sum
-    return compiled, time.perf_counter() - t0
 
 
 def run_cell(cell: matrix.Cell, reps: int, calls: int, bandwidth: float) -> dict[str, Any]:
