@@ -849,7 +849,8 @@ def zclip(
         finite = jnp.isfinite(norm)
         # An array even where a state was edited with a Python int (the docstring's recipe):
         # `~` of a Python bool is not a logical not.
-        warming = jnp.asarray(state.finite_count) < warmup_steps
+        seen = jnp.asarray(state.finite_count)
+        warming = seen < warmup_steps
         std = _zclip_std(state)
         if mode == "percentile":
             limit = state.mean + z_thresh * std
@@ -871,10 +872,10 @@ def zclip(
 
         warmup = jnp.where(
             warming & finite,
-            state.warmup.at[state.finite_count % warmup_steps].set(norm),
+            state.warmup.at[seen % warmup_steps].set(norm),
             state.warmup,
         )
-        ready = warming & finite & (state.finite_count + 1 == warmup_steps)
+        ready = warming & finite & (seen + 1 == warmup_steps)
         mean0, std0 = _moments(warmup, jnp.asarray(warmup_steps, warmup.dtype), ddof=0)
         mean1 = alpha * state.mean + (1 - alpha) * adaptive
         std1 = _ema_std(std, adaptive - mean1, alpha)
@@ -883,7 +884,7 @@ def zclip(
             tracking = tracking & ~spike
         mean = jnp.where(ready, mean0, jnp.where(tracking, mean1, state.mean))
         std = jnp.where(ready, std0, jnp.where(tracking, std1, std))
-        count = state.finite_count + finite.astype(jnp.int32)
+        count = seen + finite.astype(jnp.int32)
         # float32 state whatever the hyperparameters' dtype (NumPy float64 under x64):
         # scan carries need init's dtypes.
         mean, std, threshold = (v.astype(jnp.float32) for v in (mean, std, threshold))
