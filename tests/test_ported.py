@@ -209,3 +209,198 @@ def test_paddle_clip_grad_by_global_norm_doc_example():  # paddle.nn.ClipGradByG
     gn = np.linalg.norm(np.float32(w).astype(np.float64))
     np.testing.assert_allclose(out["weight"], np.float32(w) / max(gn, 1.0), rtol=1e-6)
     np.testing.assert_array_equal(out["bias"], np.float32(b))
+
+
+# ---------------------------------------------------------------------------------------
+# Opacus 1.6.0 (torch 2.14.1): DPOptimizer, DPPerLayerOptimizer, AdaClipDPOptimizer.
+# The model of the recorded runs: Linear(4, 3) -> tanh -> Linear(3, 2), cross-entropy,
+# weights and data from the formulas below; Opacus ran it in float64 through
+# GradSampleModule and the optimizers' clip_and_accumulate / add_noise / scale_grad
+# (noise_multiplier=0), and these are its p.grad after step(), in parameter order
+# (weight1, bias1, weight2, bias2). Opacus divides by norm + 1e-6 (jaxclip: no
+# epsilon), hence rtol 1e-5.
+
+_OPACUS_KEYS = ("w1", "b1", "w2", "b2")
+
+
+def _opacus_params() -> dict[str, jax.Array]:
+    return {
+        "w1": jnp.asarray(np.linspace(-1.0, 1.2, 12).reshape(3, 4), jnp.float32),
+        "b1": jnp.asarray([0.1, -0.2, 0.3], jnp.float32),
+        "w2": jnp.asarray(np.linspace(0.9, -1.5, 6).reshape(2, 3), jnp.float32),
+        "b2": jnp.asarray([0.05, -0.05], jnp.float32),
+    }
+
+
+def _opacus_data(b: int) -> tuple[jax.Array, jax.Array]:
+    x = [[math.sin(1.0 + i + 3 * j) * (1 + i) for j in range(4)] for i in range(b)]
+    return jnp.asarray(x, jnp.float32), jnp.asarray([i % 2 for i in range(b)], jnp.int32)
+
+
+def _opacus_loss(p, x, y):  # one example's cross-entropy
+    z = p["w2"] @ jnp.tanh(p["w1"] @ x + p["b1"]) + p["b2"]
+    return jax.nn.logsumexp(z) - z[y]
+
+
+_OPACUS_PER_EXAMPLE = jax.jit(jax.vmap(jax.grad(_opacus_loss), in_axes=(None, 0, 0)))
+
+# DPOptimizer(max_grad_norm=1.0, expected_batch_size=8, loss_reduction="mean"), 6 examples
+OPACUS_FLAT_MEAN_E8 = [
+    [
+        [-0.0683042122, 0.0921896659, -0.114229943, 0.133983907],
+        [-0.0853310323, 0.091590061, -0.096015914, 0.0985200079],
+        [-0.0807723272, 0.0774652075, -0.0726076212, 0.0662967928],
+    ],
+    [-0.0414831603, -0.0303637575, -0.0319581952],
+    [[0.0126209976, 0.0381491453, 0.0240858245], [-0.0126209976, -0.0381491453, -0.0240858245]],
+    [-0.0182677334, 0.0182677334],
+]
+# DPOptimizer(max_grad_norm=0.5, loss_reduction="sum"), 6 examples
+OPACUS_FLAT_SUM = [
+    [
+        [-0.204175879, 0.296034896, -0.381968773, 0.460257542],
+        [-0.296436252, 0.319151056, -0.335478049, 0.345090447],
+        [-0.255474363, 0.23859731, -0.216944731, 0.190950001],
+    ],
+    [-0.130800015, -0.101040812, -0.0920362973],
+    [[0.0261620229, 0.120551728, 0.0720584425], [-0.0261620229, -0.120551728, -0.0720584425]],
+    [-0.0460899266, 0.0460899266],
+]
+# DPPerLayerOptimizer(max_grad_norm=[0.5, 0.25, 1.0, 0.1], expected_batch_size=6, "mean")
+OPACUS_PER_LAYER = [
+    [
+        [-0.0426382694, 0.059412175, -0.0749969455, 0.0890806516],
+        [-0.0582995058, 0.0626078388, -0.0656630755, 0.0674040653],
+        [-0.0517178383, 0.0488472229, -0.0449989299, 0.0402499831],
+    ],
+    [0.00227192491, 0.00614325091, 0.00285415013],
+    [[0.103091381, 0.239870568, 0.186691416], [-0.103091381, -0.239870568, -0.186691416]],
+    [0.00944144853, -0.00944144853],
+]
+
+
+def _assert_opacus(got, want, rtol=1e-5, atol=1e-7):
+    for k, w in zip(_OPACUS_KEYS, want):
+        np.testing.assert_allclose(np.asarray(got[k], np.float64), w, rtol=rtol, atol=atol)
+
+
+def test_opacus_flat_clipping_mean_over_expected_batch_size():
+    # privacy_engine_test.py test_flat_clipping / DPOptimizer.clip_and_accumulate +
+    # scale_grad: Opacus divides by expected_batch_size, not the batch drawn; in
+    # jaxclip that is reduce="sum" and a scale by 1 / expected_batch_size.
+    params, (x, y) = _opacus_params(), _opacus_data(6)
+    grads = _OPACUS_PER_EXAMPLE(params, x, y)
+    tx = optax.chain(jaxclip.clip_per_example(1.0, reduce="sum"), optax.scale(1 / 8))
+    out, _ = tx.update(grads, tx.init(params))
+    _assert_opacus(out, OPACUS_FLAT_MEAN_E8)
+    # clipped_grad from the loss (microbatches of 4, one padded) is the same sum.
+    g = jaxclip.clipped_grad(_opacus_loss, 1.0, microbatch_size=4, batch_argnums=(1, 2))
+    _assert_opacus(jax.tree.map(lambda v: v / 8, g(params, x, y)), OPACUS_FLAT_MEAN_E8)
+    # loss_reduction="sum": p.grad is the clipped sum itself.
+    tx = jaxclip.clip_per_example(0.5, reduce="sum")
+    _assert_opacus(tx.update(grads, tx.init(params))[0], OPACUS_FLAT_SUM)
+
+
+def test_opacus_per_layer_clipping_list_of_max_grad_norm():
+    # test_per_layer_clipping / DPPerLayerOptimizer: each parameter to its own norm,
+    # expected_batch_size == batch size, so reduce="mean" divides alike.
+    params, (x, y) = _opacus_params(), _opacus_data(6)
+    grads = _OPACUS_PER_EXAMPLE(params, x, y)
+    clips = dict(zip(_OPACUS_KEYS, (0.5, 0.25, 1.0, 0.1)))
+    tx = jaxclip.clip_per_example(clips, group=lambda path, leaf: path)
+    _assert_opacus(tx.update(grads, tx.init(params))[0], OPACUS_PER_LAYER)
+    g = jaxclip.clipped_grad(
+        _opacus_loss, clips, batch_argnums=(1, 2), group=lambda path, leaf: path, reduce="mean"
+    )
+    _assert_opacus(g(params, x, y), OPACUS_PER_LAYER)
+    # Opacus' noise for the list: noise_multiplier * ||max_grad_norm||_2, as jaxclip's.
+    assert jaxclip.per_example.sensitivity(clips) == pytest.approx(
+        math.sqrt(0.5**2 + 0.25**2 + 1.0**2 + 0.1**2), rel=1e-12
+    )
+
+
+def test_opacus_sample_grad_aggregation_and_noise_level():
+    # test_sample_grad_aggregation: a huge clip norm, no noise: the mean of the
+    # per-sample gradients. test_noise_level: zero gradients, the update's std is
+    # noise_multiplier * max_grad_norm / expected_batch_size; test_noise_changes_every_time.
+    params, (x, y) = _opacus_params(), _opacus_data(6)
+    grads = _OPACUS_PER_EXAMPLE(params, x, y)
+    tx = jaxclip.clip_per_example(99999.0)
+    out, _ = tx.update(grads, tx.init(params))
+    for k in _OPACUS_KEYS:
+        np.testing.assert_allclose(out[k], np.mean(np.asarray(grads[k], np.float64), 0), 1e-5)
+    zeros = {"w": jnp.zeros((5, 20000), jnp.float32)}
+    tx = optax.chain(
+        jaxclip.clip_per_example(2.0, noise_multiplier=1.5, reduce="sum", seed=3),
+        optax.scale(1 / 64),
+    )
+    state = tx.init({"w": jnp.zeros(20000)})
+    step = jax.jit(tx.update)
+    first, state = step(zeros, state)
+    second, _ = step(zeros, state)
+    assert abs(np.std(np.asarray(first["w"])) / (1.5 * 2.0 / 64) - 1) < 0.02
+    assert not np.allclose(first["w"], second["w"])
+
+
+# AdaClipDPOptimizer(max_grad_norm=C0, target_unclipped_quantile=q,
+# clipbound_learning_rate=lr, unclipped_num_std=1e-12, noise_multiplier=0,
+# loss_reduction="sum", max_clipbound=1e9, min_clipbound=1e-9): max_grad_norm before
+# each of 4 steps and after the last, and p.grad of the 4th step.
+OPACUS_ADACLIP = {
+    (0.5, 0.5, 0.2): (
+        [0.5, 0.534469545, 0.571315408, 0.590680242, 0.610701442],
+        [
+            [
+                [-0.257663751, 0.367049692, -0.469089132, 0.561739749],
+                [-0.361319472, 0.388714193, -0.408328798, 0.419770698],
+                [-0.317684999, 0.298598565, -0.273535678, 0.242997973],
+            ],
+            [-0.162545087, -0.123932725, -0.116957038],
+            [
+                [0.0374198324, 0.150695268, 0.0916501833],
+                [-0.0374198324, -0.150695268, -0.0916501833],
+            ],
+            [-0.0597648475, 0.0597648475],
+        ],
+    ),
+    (2.0, 0.0, math.log(2.0)): (
+        [2.0, 1.58740103, 1.25992107, 1.0, 0.793700516],
+        [
+            [
+                [-0.546433697, 0.737517327, -0.913839542, 1.07187125],
+                [-0.682648258, 0.732720488, -0.768127312, 0.788160063],
+                [-0.646178617, 0.61972166, -0.58086097, 0.530374343],
+            ],
+            [-0.331865283, -0.24291006, -0.255665561],
+            [
+                [0.100967981, 0.305193162, 0.192686596],
+                [-0.100967981, -0.305193162, -0.192686596],
+            ],
+            [-0.146141867, 0.146141867],
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(OPACUS_ADACLIP))
+def test_opacus_adaclip_optimizer(case):
+    # AdaClipDPOptimizer: geometric update from the fraction of unclipped examples over
+    # the examples drawn (expected_num_records=None), no count noise.
+    c0, q, lr = case
+    clips, last = OPACUS_ADACLIP[case]
+    params, (x, y) = _opacus_params(), _opacus_data(6)
+    grads = _OPACUS_PER_EXAMPLE(params, x, y)
+    tx = jaxclip.adaptive_clip_per_example(
+        c0, target_unclipped_quantile=q, learning_rate=lr, reduce="sum", clipped_count_stddev=0.0
+    )
+    state, got = tx.init(params), [c0]
+    step = jax.jit(tx.update)
+    for _ in range(4):
+        out, state = step(grads, state)
+        got.append(float(state.clip_norm))
+    np.testing.assert_allclose(got, clips, rtol=2e-6)
+    _assert_opacus(out, last)
+    # Opacus' add_noise uses (z**-2 - (2 * unclipped_num_std)**-2)**-1/2 for the sum.
+    z, s = 1.1, 0.9
+    want = (z**-2 - (2 * s) ** -2) ** -0.5
+    assert jaxclip.adaptive_clip_noise_multiplier(z, s) == pytest.approx(want, rel=1e-12)
