@@ -9,6 +9,7 @@ test says so.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -301,6 +302,7 @@ def test_opacus_flat_clipping_mean_over_expected_batch_size():
     _assert_opacus(tx.update(grads, tx.init(params))[0], OPACUS_FLAT_SUM)
 
 
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
 def test_opacus_per_layer_clipping_list_of_max_grad_norm():
     # test_per_layer_clipping / DPPerLayerOptimizer: each parameter to its own norm,
     # expected_batch_size == batch size, so reduce="mean" divides alike.
@@ -404,3 +406,267 @@ def test_opacus_adaclip_optimizer(case):
     z, s = 1.1, 0.9
     want = (z**-2 - (2 * s) ** -2) ** -0.5
     assert jaxclip.adaptive_clip_noise_multiplier(z, s) == pytest.approx(want, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------
+# TF-Privacy 0.9.0 (tensorflow 2.21.0): dp_query tests and the Keras optimizers' clipping.
+# Literals below were recorded from TF-Privacy itself where the test says so; the rest
+# are TF-Privacy's own expected values.
+
+_SUM = jax.jit(lambda g, c: jaxclip.clip_tree_per_example(g, c)[0])
+
+
+def test_tf_privacy_gaussian_sum_query_no_noise():
+    # gaussian_query_test.py: test_gaussian_sum_no_clip_no_noise,
+    # test_gaussian_sum_with_clip_no_noise, test_gaussian_sum_with_changing_clip_no_noise
+    # (a clip norm of 0, as the tf.Variable assigned 0, is reached traced).
+    np.testing.assert_allclose(_SUM(jnp.array([[2.0, 0.0], [-1.0, 1.0]]), 10.0), [1.0, 1.0])
+    records = jnp.array([[-6.0, 8.0], [4.0, -3.0]])  # the first clipped to [-3, 4]
+    np.testing.assert_allclose(_SUM(records, 5.0), [1.0, 1.0], rtol=1e-6)
+    np.testing.assert_array_equal(_SUM(records, 0.0), [0.0, 0.0])
+    # normalized_query_test.py test_normalization: the sum over a denominator of 2.
+    tx = optax.chain(jaxclip.clip_per_example(5.0, reduce="sum"), optax.scale(1 / 2.0))
+    out, _ = tx.update({"r": records}, tx.init({"r": jnp.zeros(2)}))
+    np.testing.assert_allclose(out["r"], [0.5, 0.5], rtol=1e-6)
+
+
+def test_tf_privacy_gaussian_sum_query_with_noise():
+    # test_gaussian_sum_with_noise and quantile_adaptive_clip_sum_query_test.py
+    # test_sum_with_noise: std 1.0 (clip 5, noise_multiplier 1/5) over 1000 draws, within
+    # 0.1 of it.
+    grads = {"r": jnp.array([[2.71828], [3.14159]])}
+    tx = jaxclip.clip_per_example(5.0, noise_multiplier=1.0 / 5.0, reduce="sum")
+    state = tx.init({"r": jnp.zeros(1)})
+    keys = jax.random.split(jax.random.key(0), 1000)
+    draws = jax.jit(jax.vmap(lambda k: tx.update(grads, state._replace(key=k))[0]["r"][0]))(keys)
+    assert abs(float(np.std(np.asarray(draws))) - 1.0) < 0.1
+    assert abs(float(np.mean(np.asarray(draws))) - 5.85987) < 0.2
+
+
+def test_tf_privacy_adaptive_sum_no_adaptation():
+    # quantile_adaptive_clip_sum_query_test.py: test_sum_no_clip_no_noise,
+    # test_sum_with_clip_no_noise (learning_rate 0: the clip norm stays).
+    for records, clip in (([[2.0, 0.0], [-1.0, 1.0]], 10.0), ([[-6.0, 8.0], [4.0, -3.0]], 5.0)):
+        tx = jaxclip.adaptive_clip_per_example(
+            clip, target_unclipped_quantile=1.0, learning_rate=0.0, clipped_count_stddev=0.0,
+            expected_num_records=2.0, reduce="sum",
+        )  # fmt: skip
+        out, state = tx.update({"r": jnp.asarray(records)}, tx.init({"r": jnp.zeros(2)}))
+        np.testing.assert_allclose(out["r"], [1.0, 1.0], rtol=1e-6)
+        assert float(state.clip_norm) == clip
+
+
+# The clip norm at steps 41..49 (TF-Privacy's test checks it is near 5 there) of
+# QuantileAdaptiveClipSumQuery(noise_multiplier=0, target 0.5, clipped_count_stddev=0,
+# expected_num_records=n), recorded from TF-Privacy 0.9.0: test_adaptation_linspace
+# (21 records linspace(0, 10), learning rate 1) and test_adaptation_all_equal (20 records
+# of 5.0, learning rate 1/sqrt(t + 1) set before step t).
+TF_ADAPTATION = {
+    ("linspace", 1.0, True): [5.0482745, 4.9294972] * 4 + [5.0482745],
+    ("linspace", 1.0, False): [5, 4.9761906] * 4 + [5],
+    ("linspace", 10.0, True): [4.8954163, 5.0133724] * 4 + [4.8954163],
+    ("linspace", 10.0, False): [5.0000005, 4.976191] * 4 + [5.0000005],
+    ("all_equal", 1.0, True): [
+        4.6289334, 4.9956913, 5.3868117, 4.9999008, 5.3824253, 5.0038447, 4.6554461,
+        5.0001421, 4.6587896,
+    ],
+    ("all_equal", 1.0, False): [
+        5.0008578, 4.9246087, 4.9999866, 5.074522, 5.0008011, 4.9278684, 5.0000372,
+        4.9286084, 4.9993191,
+    ],
+    ("all_equal", 10.0, True): [
+        4.7907567, 5.1703362, 4.7949338, 5.1659837, 4.798842, 5.1619124, 4.8025084,
+        5.158093, 4.8059573,
+    ],
+    ("all_equal", 10.0, False): [
+        5.0237379, 4.9474888, 5.0228667, 4.9483314, 5.0220523, 4.9491196, 5.0212884,
+        4.9498596, 5.0205703,
+    ],
+}  # fmt: skip
+
+
+@functools.cache
+def _adaptive_scan(geometric: bool):
+    tx = optax.inject_hyperparams(jaxclip.adaptive_clip_per_example)(
+        initial_clip_norm=1.0, learning_rate=1.0, target_unclipped_quantile=0.5,
+        clipped_count_stddev=0.0, expected_num_records=20.0, geometric_update=geometric,
+        reduce="sum",
+    )  # fmt: skip
+
+    def run(records, start, n, rates):
+        state = tx.init({"r": jnp.zeros(1)})
+        inner = state.inner_state._replace(clip_norm=start)
+        state = state._replace(inner_state=inner)
+        state.hyperparams["expected_num_records"] = n
+
+        def body(state, rate):
+            state.hyperparams["learning_rate"] = rate
+            _, state = tx.update({"r": records}, state)
+            return state, state.inner_state.clip_norm
+
+        return jax.lax.scan(body, state, rates)[1]
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("case", list(TF_ADAPTATION))
+def test_tf_privacy_adaptation_linspace_and_all_equal(case):
+    kind, start, geometric = case
+    if kind == "linspace":
+        records, rates = np.linspace(0.0, 10.0, 21, dtype=np.float32), np.ones(50, np.float32)
+    else:
+        records, rates = np.full(20, 5.0, np.float32), 1 / np.sqrt(np.arange(1.0, 51.0))
+    clips = _adaptive_scan(geometric)(
+        jnp.asarray(records)[:, None], jnp.float32(start), jnp.float32(len(records)),
+        jnp.asarray(rates, jnp.float32),
+    )  # fmt: skip
+    tail = np.asarray(clips[41:])
+    np.testing.assert_allclose(tail, TF_ADAPTATION[case], rtol=1e-5)
+    assert np.all(np.abs(tail - 5.0) < (0.25 if kind == "linspace" else 0.5))  # TF's check
+
+
+def test_tf_privacy_quantile_estimate_clamped_and_fixed_denominator():
+    # quantile_estimator_query_test.py test_target_zero 'fixed' (expected_num_records
+    # 2.0): 9, 8, 7.5, 7, 7. And, recorded from TF-Privacy 0.9.0, an expected count (2)
+    # below the records' (4): the noised fraction 1.5 is clamped to 1.
+    tx = jaxclip.adaptive_clip_per_example(
+        10.0, target_unclipped_quantile=0.0, learning_rate=1.0, geometric_update=False,
+        expected_num_records=2.0, reduce="sum",
+    )  # fmt: skip
+    state, clips = tx.init({"r": jnp.zeros(1)}), []
+    for _ in range(5):
+        _, state = tx.update({"r": jnp.array([[8.5], [7.25]])}, state)
+        clips.append(float(state.clip_norm))
+    np.testing.assert_allclose(clips, [9.0, 8.0, 7.5, 7.0, 7.0], rtol=1e-6)
+    tx = jaxclip.adaptive_clip_per_example(
+        1.0, target_unclipped_quantile=0.3, learning_rate=0.5, expected_num_records=2.0,
+        reduce="sum",
+    )  # fmt: skip
+    state, clips, sums = tx.init({"r": jnp.zeros(1)}), [], []
+    for _ in range(4):
+        out, state = tx.update({"r": jnp.array([[0.5], [0.25], [-0.75], [3.0]])}, state)
+        clips.append(float(state.clip_norm))
+        sums.append(float(out["r"][0]))
+    np.testing.assert_allclose(clips, [0.70468807, 0.63762814, 0.57694983, 0.52204579], 1e-6)
+    np.testing.assert_allclose(sums, [1.0, 0.75, 0.75, 0.75], rtol=1e-6)
+
+
+def test_tf_privacy_clip_gradients_vmap():
+    # dp_optimizer_keras_vectorized.clip_gradients_vmap(g, 2.5) under tf.vectorized_map,
+    # recorded from TF-Privacy 0.9.0.
+    g0 = jnp.array([[[3.0, 0.0], [0.0, 4.0]], [[0.3, 0.1], [0.2, 0.0]], [[-6.0, 1.0], [2.0, 2.0]]])
+    g1 = jnp.array([[12.0], [0.1], [-3.0]])
+    (c0, c1), _ = jaxclip.clip_tree_per_example([g0, g1], 2.5, reduce=None)
+    want0 = [
+        [[0.576923072, 0.0], [0.0, 0.769230723]],
+        [[0.300000012, 0.100000001], [0.200000003, 0.0]],
+        [[-2.04124141, 0.340206891], [0.680413783, 0.680413783]],
+    ]
+    np.testing.assert_allclose(c0, want0, rtol=1e-6)
+    np.testing.assert_allclose(c1, [[2.30769229], [0.100000001], [-1.0206207]], rtol=1e-6)
+
+
+def _tf_loss(var, d0, d1):  # dp_optimizer_keras_test.py _loss: one microbatch's mean
+    v0, v1 = var
+    per = 0.5 * jnp.sum((d0 - v0) ** 2, axis=-1) + 0.5 * jnp.sum((d1 - v1) ** 2, axis=-1)
+    return jnp.mean(per)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2, 4])
+def test_tf_privacy_clipping_norm_multiple_variables_per_microbatch(num_microbatches):
+    # dp_optimizer_keras_test.py testClippingNormMultipleVariables (and testClippingNorm):
+    # TF-Privacy's num_microbatches clips the gradient of each microbatch's MEAN loss,
+    # which jaxclip's microbatch_size does not do (it only bounds memory). In jaxclip: give
+    # clipped_grad the batch as (num_microbatches, size, ...) and the microbatch's mean loss.
+    var = (jnp.array([1.0, 2.0]), jnp.array([3.0]))
+    d0 = np.array([[3.0, 6.0], [5.0, 6.0], [4.0, 8.0], [-1.0, 0.0]])
+    d1 = np.array([[8.0], [2.0], [3.0], [1.0]])
+    m = num_microbatches
+    g = jaxclip.clipped_grad(_tf_loss, 2.5, batch_argnums=(1, 2), reduce="mean")
+    out = g(var, jnp.asarray(d0.reshape(m, 4 // m, 2)), jnp.asarray(d1.reshape(m, 4 // m, 1)))
+    # TF-Privacy's own expected values (float64 NumPy).
+    grads = np.concatenate([d0 - [1.0, 2.0], d1 - [3.0]], axis=1)
+    grads = np.mean(grads.reshape(m, 4 // m, -1), axis=1)
+    norms = np.linalg.norm(grads, axis=1)
+    want = -np.mean(grads * (2.5 / np.maximum(2.5, norms))[:, None], axis=0)
+    # float32 sums of terms of either sign: an absolute tolerance
+    np.testing.assert_allclose(out[0], want[:2], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out[1], want[2:], rtol=1e-6, atol=1e-6)
+    # testClippingNorm: one microbatch of [[3, 4], [6, 8]] at 0: mean -(4.5, 6), to norm 1.
+    one = jaxclip.clipped_grad(lambda v, d: 0.5 * jnp.mean(jnp.sum((d - v) ** 2, -1)), 1.0)
+    np.testing.assert_allclose(
+        one(jnp.zeros(2), jnp.array([[[3.0, 4.0], [6.0, 8.0]]])), [-0.6, -0.8], rtol=1e-6
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# jax-privacy 2.0.0: tests/gradient_clipping_test.py and tests/clipping_test.py
+
+
+def _mean_quadratic_loss(params, x):  # jax-privacy's: one example as a batch of 1
+    return 0.5 * jnp.mean((params - x) ** 2)
+
+
+@pytest.mark.parametrize("micro", [None, 1, 3])
+def test_jax_privacy_sum_clipped_grad(micro):
+    # test_sum_clipped_grad_basic, _with_padding_examples (without rescale_to_unit_norm,
+    # which jaxclip lacks: the values times 2.5), _return_metrics, _values.
+    params, x = jnp.array([2.0]), jnp.array([[1.0], [4.0], [7.0]])
+    g = jax.jit(
+        jaxclip.clipped_grad(
+            _mean_quadratic_loss, 2.5, keep_batch_dim=True, microbatch_size=micro,
+            return_norms=True, return_values=True,
+        )
+    )  # fmt: skip
+    total, aux = g(params, x)
+    np.testing.assert_allclose(total, [-3.5], atol=1e-6)
+    np.testing.assert_allclose(aux.norms, [1.0, 2.0, 5.0], rtol=1e-6)
+    np.testing.assert_allclose(aux.values, [0.5, 2.0, 12.5], rtol=1e-6)
+    for pad, want in (([True] * 3, 0.0), ([False, True, True], 1.0)):
+        np.testing.assert_allclose(g(params, x, is_padding_example=jnp.array(pad))[0], [want])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_jax_privacy_sum_clipped_grad_float16(dtype):  # test_sum_clipped_grad_float16
+    g = jax.jit(jaxclip.clipped_grad(_mean_quadratic_loss, 2.5, keep_batch_dim=True))
+    out = g(jnp.array([2.0], dtype), jnp.array([[1.0], [4.0], [7.0]], dtype))
+    assert out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), [-3.5], atol=1e-6)
+
+
+def test_jax_privacy_extra_batch_axis_and_leaf_structure():
+    # test_sum_clipped_grad_extra_batch_axis: users of 3 examples each, keep_batch_dim=False,
+    # a large clip: the sum over users / users is the plain gradient.
+    params = jnp.array([2.0])
+    x = jnp.array([[[1.0], [2.0], [3.0]], [[3.0], [4.0], [5.0]]])
+    for micro in (None, 1, 2):
+        g = jaxclip.clipped_grad(_mean_quadratic_loss, 1000.0, microbatch_size=micro)
+        np.testing.assert_allclose(
+            g(params, x) / 2, jax.grad(_mean_quadratic_loss)(params, x.reshape(6, 1)), 1e-6
+        )
+
+
+def _jp_single(x):  # clipping_test.py single_example_fun
+    return x + 2.0
+
+
+_JP_CLIPPED_FUN = jax.jit(lambda d: jaxclip.clip_tree_per_example(jax.vmap(_jp_single)(d), 1.0)[0])
+
+
+@pytest.mark.slow  # suite budget: the slow step runs it (CI runs both)
+def test_jax_privacy_clip_sum_sensitivity():
+    # clipping_test.py test_clip_sum_sensitivity: replace-one (2C), zero-out (padding, C),
+    # add/remove-one (C), jax-privacy's clipped_fun as clip_tree_per_example of the outputs.
+    data = jax.random.normal(jax.random.key(0), (15, 4))
+    base = _JP_CLIPPED_FUN(data)
+    neighbor = data.at[3].set(jnp.array([-10.0, 10.0, 20.0, 20.0]))
+    assert float(jnp.linalg.norm(base - _JP_CLIPPED_FUN(neighbor))) <= 2.0 + 1e-6
+    assert float(jnp.linalg.norm(base - _JP_CLIPPED_FUN(data[1:]))) <= 1.0 + 1e-6
+    g = jaxclip.clipped_grad(lambda w, d: jnp.dot(w, _jp_single(d)), 1.0)
+    pad = jnp.zeros(15, bool).at[3].set(True)
+    diff = g(jnp.zeros(4), data) - g(jnp.zeros(4), data, is_padding_example=pad)
+    assert float(jnp.linalg.norm(diff)) <= 1.0 + 1e-6
+    # test_return_norms_without_aux_matches_documented_signature: clip norm inf.
+    total, norms = jaxclip.clip_tree_per_example(jnp.array([1.0, 2.0, 3.0])[:, None] ** 2, math.inf)
+    np.testing.assert_allclose(total, [14.0])
+    np.testing.assert_allclose(norms, [1.0, 4.0, 9.0])
