@@ -110,7 +110,10 @@ def clipped_grad(
     divides the batch (on an Explicit mesh, any other size is an error).
 
     The sum's L2 sensitivity (add/remove one example) is ``clip_norm``, or
-    ``sqrt(sum_g c_g**2)`` with a dict of per-group clip norms. Add the noise yourself
+    ``sqrt(sum_g c_g**2)`` with a dict of per-group clip norms, for ``norm_type <= 2``
+    and finite per-example gradients (a non-finite one makes the sum NaN). With
+    ``norm_type=p > 2`` an example's L2 norm can reach ``clip_norm * d**(1/2 - 1/p)``
+    (``d`` its number of entries; ``clip_norm * sqrt(d)`` for ``inf``). Add the noise yourself
     (``std = noise_multiplier * sensitivity``) or with :func:`adaptive_clip_per_example`,
     and divide by the expected batch size, which, unlike the count of real examples, is
     not private.
@@ -604,7 +607,8 @@ def adaptive_clip_per_example(
       geometric_update: update ``C`` geometrically (True) or arithmetically.
       reduce: ``"mean"`` (divide by the number of rows, padding included) or ``"sum"``.
       seed: an int, or a ``jax.random`` key, for the noise.
-      norm_type: ``p >= 2**-10`` or ``float('inf')``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``; with noise, ``p <= 2`` (see
+        :func:`clip_per_example`).
       need_clip: which leaves are clipped and noised (see :func:`clip_tree_per_example`).
       axis_name: inside ``shard_map``, the mesh axes that split the leaves' non-batch
         dimensions (see :func:`clip_tree_per_example`). Where the batch is split across
@@ -659,6 +663,7 @@ def adaptive_clip_per_example(
     if expected_num_records is not None:
         _in_range(expected_num_records, "expected_num_records", fn, 0.0, math.inf, open_low=True)
     noisy_sum = per_example.draws_noise(noise_multiplier)
+    per_example.check_noise_norm(p, noisy_sum, norm_type, fn)
     traced_noise = _checks.concrete(noise_multiplier) is None
 
     def init_fn(params: PyTree) -> AdaptiveClipPerExampleState:

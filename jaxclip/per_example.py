@@ -110,6 +110,22 @@ def sensitivity(clip_norm: Any) -> Any:
     return jnp.sqrt(sum(jnp.square(jnp.asarray(v, jnp.float32)) for v in values))
 
 
+def check_noise_norm(p: float, noisy: bool, norm_type: Any, fn: str) -> None:
+    """Gaussian noise of ``noise_multiplier * clip_norm`` is calibrated to an L2
+    sensitivity of ``clip_norm``: true for p-norms with ``p <= 2`` (an example's L2 norm
+    is at most its p-norm), not above, where an example clipped to p-norm ``c`` can have
+    L2 norm ``c * d**(1/2 - 1/p)`` (``d`` its entries; ``c * sqrt(d)`` for ``inf``)."""
+    if noisy and p > 2:
+        raise ValueError(
+            f"jaxclip.{fn}: norm_type={norm_type!r} with noise: the noise's standard "
+            "deviation noise_multiplier * clip_norm assumes each clipped example has L2 "
+            "norm <= clip_norm, but an example clipped to a p-norm of clip_norm with p > 2 "
+            "can have L2 norm clip_norm * d**(1/2 - 1/p) (d: its number of entries), so "
+            "the noise would buy less privacy than accounted. Use norm_type=2 (or any "
+            "p <= 2), or noise_multiplier=0 and add noise for that sensitivity yourself."
+        )
+
+
 def _batch_size(leaves: Sequence[Any], paths: Sequence[str], fn: str) -> int | None:
     """The common leading-axis length of ``leaves``, or a ValueError naming the leaf path
     where there is no batch axis or where it differs."""
@@ -673,7 +689,8 @@ def clip_per_example(
       reduce: ``"mean"`` (DP-SGD), ``"sum"``, or None (no noise; clipped examples).
       noise_multiplier: the noise's standard deviation over ``clip_norm``, >= 0.
       seed: an int, or a ``jax.random`` key, for the noise.
-      norm_type: ``p >= 2**-10`` or ``float('inf')``.
+      norm_type: ``p >= 2**-10`` or ``float('inf')``; with noise, ``p <= 2`` (a larger p
+        bounds an example's L2 norm by more than ``clip_norm``: a ValueError).
       need_clip: which leaves are clipped (see :func:`clip_tree_per_example`: a rule
         sees one example's shape, so ``init`` on the params and ``update`` select alike).
       group: per-label clipping (see :func:`clip_tree_per_example`).
@@ -716,6 +733,7 @@ def clip_per_example(
     _checks.check_seed(seed, fn)
     _checks.check_need_clip(need_clip, fn)
     noisy = draws_noise(noise_multiplier)
+    check_noise_norm(p, noisy, norm_type, fn)
     if reduce is None and noisy:
         raise ValueError(
             f"jaxclip.{fn}: noise_multiplier > 0 needs reduce='mean' or 'sum' (noise is added "

@@ -461,3 +461,20 @@ def test_strided_microbatches_read_the_batch_in_place():
     want = (np.minimum(1.0, 1.0 / norms)[:, None] * per).sum(0)
     got = np.asarray(g(w, x), np.float64)  # float32 sums of 256 terms of either sign
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_noise_refuses_norms_that_do_not_bound_the_l2_sensitivity():
+    # An example clipped to an inf-norm (or p > 2) of 1 can have L2 norm sqrt(d): ten here,
+    # so noise of noise_multiplier * clip_norm would be calibrated to a tenth of the
+    # sensitivity. float64 check of the claim, then the refusal.
+    g = jaxclip.clipped_grad(lambda w, x: jnp.dot(w, x), 1.0, norm_type=math.inf)
+    out = np.asarray(g(jnp.zeros(100), jnp.ones((1, 100))), np.float64)
+    assert np.linalg.norm(out) == pytest.approx(10.0, rel=1e-6)
+    for p in (3.0, math.inf):
+        with pytest.raises(ValueError, match="L2 norm"):
+            jaxclip.clip_per_example(1.0, noise_multiplier=1.0, norm_type=p)
+        with pytest.raises(ValueError, match="L2 norm"):
+            jaxclip.adaptive_clip_per_example(1.0, noise_multiplier=1.0, norm_type=p)
+        jaxclip.clip_per_example(1.0, norm_type=p)  # without noise: fine
+    jaxclip.clip_per_example(1.0, noise_multiplier=1.0, norm_type=1.5)  # L2 <= p-norm
+
