@@ -330,8 +330,10 @@ def clip_examples(
     if batch == 0 and reduce == "mean":
         raise ValueError(
             f"jaxclip.{fn}: the per-example gradients have batch size 0, and the mean over "
-            "no examples is undefined (NaN, or inf with noise). Skip empty batches, or use "
-            'reduce="sum".'
+            "no examples is undefined (NaN, or inf with noise). Do not skip the step (with "
+            "Poisson sampling, skipping reveals that the batch was empty): use "
+            'reduce="sum" and divide by the expected batch size (Opacus\' '
+            "expected_batch_size), which still adds the noise."
         )
     if group is None:
         labels, per_leaf = [None], [None] * len(xs)
@@ -412,7 +414,9 @@ def _arrays(
             n = _norms.as_norm(jnp.zeros((batch or 0,), jnp.float32))
         scale = _norms.clip_factor(n, clip_norm)
         if weights is None:
-            fraction = jnp.mean(~scale.keep, dtype=jnp.float32)
+            # An empty batch (Poisson sampling) clips nothing: 0, not the mean's NaN.
+            count = jnp.sum(~scale.keep, dtype=jnp.float32)
+            fraction = count / max(scale.keep.shape[0], 1)
         else:  # the fraction of the real examples (a sum here, see clipped_grad)
             fraction = jnp.sum(~scale.keep & weights, dtype=jnp.float32)
         # Everything read from the norm is computed before the contractions, so that only

@@ -478,3 +478,20 @@ def test_noise_refuses_norms_that_do_not_bound_the_l2_sensitivity():
         jaxclip.clip_per_example(1.0, norm_type=p)  # without noise: fine
     jaxclip.clip_per_example(1.0, noise_multiplier=1.0, norm_type=1.5)  # L2 <= p-norm
 
+
+def test_empty_poisson_batch_noise_only_step():
+    # Opacus (DPOptimizer.clip_and_accumulate's empty batch) returns the noise over the
+    # expected batch size for a batch of no examples; in jaxclip that is reduce="sum"
+    # and a scale, and the state's clipped fraction is 0 (nothing clipped), not NaN.
+    tx = optax.chain(
+        jaxclip.clip_per_example(1.0, noise_multiplier=1.0, reduce="sum"), optax.scale(1 / 8)
+    )
+    out, state = tx.update({"w": jnp.zeros((0, 4000))}, tx.init({"w": jnp.zeros(4000)}))
+    assert abs(float(np.std(np.asarray(out["w"]))) / (1.0 / 8) - 1) < 0.05
+    assert float(state[0].clipped_fraction) == 0.0
+    # reduce="mean" refuses, and says what to do instead of skipping the step.
+    with pytest.raises(ValueError, match="expected batch size") as err:
+        jaxclip.clip_per_example(1.0, noise_multiplier=1.0).update(
+            {"w": jnp.zeros((0, 3))}, jaxclip.clip_per_example(1.0).init({"w": jnp.zeros(3)})
+        )
+    assert "Skip empty batches" not in str(err.value)
