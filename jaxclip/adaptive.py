@@ -214,17 +214,21 @@ def _agc(
     g_norms = _norms.slice_norms(gs, 2.0, axes, **kw)
     p_norms = _norms.slice_norms(ps, 2.0, axes, **kw)
 
-    def limit(pf: Array, pe: Array) -> Array:
-        return clipping * jnp.maximum(_norms.Norm(pf, pe).value, eps)
+    def limit(gf: Array, ge: Array, pf: Array, pe: Array) -> tuple[Array, Array, Array]:
+        n, lim = _norms.relative_limit(_norms.Norm(gf, ge), _norms.Norm(pf, pe), clipping, eps)
+        return n.frac, n.exp, lim
 
     # All leaves' limits as one set of kernels (per-leaf scalar maths would be traced and
     # compiled once per leaf), in the dtype of the gradients' norms.
-    limits = _norms.stacked(
+    parts = _norms.stacked(
         limit,
+        [g.frac for g in g_norms],
+        [g.exp for g in g_norms],
         [n.frac.astype(g.frac.dtype) for n, g in zip(p_norms, g_norms)],
         [n.exp.astype(g.frac.dtype) for n, g in zip(p_norms, g_norms)],
     )
-    return _norms.clip_each(gs, g_norms, limits)
+    norms = [_norms.Norm(f, e) for f, e, _ in parts]
+    return _norms.clip_each(gs, norms, [lim for _, _, lim in parts])
 
 
 class AutoClipState(NamedTuple):

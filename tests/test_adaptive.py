@@ -96,6 +96,31 @@ def test_adaptive_clip_of_an_overflowing_unit_among_stacked_leaves():
         )
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_adaptive_clip_where_the_param_norm_overflows_float32(dtype):
+    # Units whose param norm (and gradient norm) is beyond float32's range: the limit
+    # 0.01 * ||p|| is finite in float64 (~6e36), so each unit is scaled by about 0.01; a
+    # limit formed as a float32 number is inf and left the units unclipped.
+    rng = np.random.default_rng(5)
+    params = {
+        "v": np.full(4, 3e38),
+        "conv": rng.uniform(2e38, 3e38, size=(3, 3, 2, 4)),
+        "w": rng.uniform(1e38, 3e38, size=(16, 3)),
+    }
+    params = {k: jnp.asarray(v.astype(np.float32), dtype) for k, v in params.items()}
+    grads = jax.tree.map(lambda p: (p * 0.5).astype(dtype), params)
+    grads["w"] = grads["w"].at[:, 1].set(1.0)  # a unit within its limit: kept
+    tx = jaxclip.adaptive_clip(0.01)
+    eps = float(jnp.finfo(dtype).eps)
+    for update in (tx.update, jax.jit(tx.update)):
+        out, _ = update(grads, tx.init(params), params)
+        for k in params:
+            want = _agc_reference(grads[k], params[k], 0.01, 1e-3)
+            np.testing.assert_allclose(
+                np.asarray(out[k], np.float64), want, rtol=2 * eps, atol=0, err_msg=k
+            )
+
+
 def test_adaptive_clip_needs_params_and_axes_override():
     tx = jaxclip.adaptive_clip(0.1)
     with pytest.raises(ValueError, match="needs the parameters"):

@@ -66,5 +66,6 @@ from jaxclip._norms.joint import per_example_norm_parts as per_example_norm_part
 from jaxclip._norms.leafwise import clip_leaves as clip_leaves
 from jaxclip._norms.leafwise import clip_slices as clip_slices
 from jaxclip._norms.leafwise import clip_slices_relative as clip_slices_relative
+from jaxclip._norms.leafwise import relative_limit as relative_limit
 from jaxclip._norms.leafwise import slice_norms as slice_norms
 from jaxclip._norms.stacking import stacked as stacked

@@ -208,8 +208,8 @@ def clip_slices_relative(
         return None
 
     def factors(frac: Array, exp: Array, rfrac: Array, rexp: Array) -> tuple[Array, ...]:
-        limit = clipping * jnp.maximum(Norm(rfrac, rexp).value, eps)
-        return (*clip_factor(Norm(frac, exp), limit), frac, exp, limit)
+        norm, limit = relative_limit(Norm(frac, exp), Norm(rfrac, rexp), clipping, eps)
+        return (*clip_factor(norm, limit), norm.frac, norm.exp, limit)
 
     per = stacked(
         factors,
@@ -272,6 +272,17 @@ def clip_leaves(
     )
     out = _apply_stacked(leaves, per)
     return out, jnp.concatenate([jnp.ravel(f[6]).astype(dtype) for f in per])
+
+
+def relative_limit(norm: Norm, ref: Norm, clipping: Any, eps: Any) -> tuple[Norm, Array]:
+    """``(norm', limit)`` with ``limit / norm' = clipping * max(ref, eps) / norm``: where
+    ``ref`` is held with an exponent (beyond the dtype's range), both drop it, so that
+    the limit is a finite number and the factor stays exact (``clipping * ref.value``
+    would be inf, and the unit left unclipped). NaN in ``ref`` gives a NaN limit."""
+    big = ~(ref.value <= eps)  # NaN too
+    shift = jnp.where(big, ref.exp, 0)
+    limit = clipping * jnp.where(big, ref.frac, eps)
+    return Norm(norm.frac, norm.exp - shift), limit
 
 
 def _apply_stacked(leaves: Sequence[Array], per: Sequence[Any]) -> list[Array]:
