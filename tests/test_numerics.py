@@ -629,3 +629,47 @@ def test_empty_low_precision_leaves_over_32_rows_or_more(shape, axes, dtype):
     tx = jaxclip.clip_by_norm(1.0, axes=axes)
     _, state = jax.jit(tx.update)(g, tx.init(g))
     assert float(state.norms["w"]) == 0.0
+
+
+@functools.cache
+def _clip_rows(p: float):
+    return jax.jit(lambda x, c: jaxclip.clip_tree_by_norm(x, c, axes=1, norm_type=p)[0])
+
+
+@functools.cache
+def _clip_global(p: float):
+    return jax.jit(lambda x, c: jaxclip.clip_tree_by_global_norm(x, c, norm_type=p)[0])
+
+
+@pytest.mark.parametrize(
+    "p, rows, c",
+    [
+        (2.0, [[60000.0]], 1e-7),  # one element: 1e-7 -> 2 steps of 5.96e-8 (1.19e-7)
+        (2.0, [[60000.0]], 5e-8),  # below the smallest subnormal: 0, not 5.96e-8
+        (2.0, [[60000.0]], 1e-6),
+        (2.0, [[3e-7] * 8], 1e-7),  # subnormal inputs: each 3.5e-8, not 5.96e-8
+        (1.0, [[6e4, 1e-7] * 1024], 1e-3),
+        (0.5, [[6e4, 1e-7] * 150], 1e-3),
+        (math.inf, [[6e4, 3e4]], 1e-6),
+    ],
+)
+def test_float16_outputs_in_the_subnormal_range_keep_the_stated_bound(p, rows, c):
+    """The docs' bound literally: the norm of a clipped float16 slice is at most
+    ``c * (1 + k eps)`` also where its outputs are subnormal in float16 (rounded to
+    nearest, a subnormal output gains up to half a step of 6e-8: 19% over ``c`` for one
+    element clipped to 1e-7); each output stays within one subnormal step of x c / n."""
+    x = jnp.asarray(rows, jnp.float16)
+    k = 2.0 if p in (1.0, 2.0, math.inf) else 1 + 2 / min(p, 1.0)
+    eps, step = float(jnp.finfo(jnp.float16).eps), 2.0**-24
+    a = ref.f64(x)
+    n = np.max(a, axis=1) if p == math.inf else np.sum(a**p, axis=1) ** (1 / p)
+    c32 = float(np.float32(c))
+    for fn, norms in ((_clip_rows(p), n), (_clip_global(p), None)):
+        out = ref.f64(fn(x, jnp.float32(c)))
+        got = np.max(out, axis=1) if p == math.inf else np.sum(out**p, axis=1) ** (1 / p)
+        if norms is None:  # the global norm: one slice
+            got = np.max(out) if p == math.inf else np.sum(out**p) ** (1 / p)
+            norms = np.max(a) if p == math.inf else np.sum(a**p) ** (1 / p)
+        assert np.all(got <= c32 * (1 + k * eps)), (got, c32)
+        want = a * np.minimum(1.0, c32 / np.reshape(norms, (-1, 1)))
+        assert np.all(np.abs(out - want) <= np.maximum(step, want * eps)), (out, want)
