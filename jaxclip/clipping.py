@@ -657,7 +657,9 @@ def clip_by_global_norm(
     _axes.check(axis_name, "clip_by_global_norm")
 
     def init_fn(params: PyTree) -> ClipByGlobalNormState:
-        if group is None:
+        if group is None or _tree.is_params_placeholder(params):
+            # optax.tree_map_params' stand-in has no paths to group: the field is one
+            # subtree (a dict of scalars) that transform_non_params maps whole.
             return ClipByGlobalNormState(jnp.zeros((), jnp.float32))
         labels, _ = _tree.group_labels(
             group, _tree.select(params, need_clip, what="global-norm clipping")

@@ -746,14 +746,16 @@ def clip_per_example(
     size = None if batch_size is None else _checks.static_size(batch_size, "batch_size", fn)
 
     def labels_of(params: PyTree) -> list[Hashable]:
-        if group is None:
+        if group is None or _tree.is_params_placeholder(params):
+            # optax.tree_map_params' stand-in has no paths to group: each field is one
+            # subtree that transform_non_params maps whole.
             return [None]
         return _tree.group_labels(
             group, _tree.select(params, need_clip, what="per-example clipping")
         )[0]
 
     def pack(values: dict[Hashable, Array]) -> Any:
-        return values[None] if group is None else values
+        return values[None] if None in values else values
 
     def init_fn(params: PyTree) -> ClipPerExampleState:
         labels = labels_of(params)

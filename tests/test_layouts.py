@@ -257,3 +257,32 @@ def test_specs_that_do_not_fit_their_leaves_name_them():
         put = {k: jax.device_put(v, NamedSharding(mesh, in_specs[k])) for k, v in g.items()}
         with pytest.raises(ValueError, match=match):
             jax.jit(run)(put)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda g: jaxclip.clip_by_global_norm(1.0, group=g),
+        lambda g: jaxclip.clip_per_example(1.0, group=g, batch_size=2),
+    ],
+    ids=["clip_by_global_norm", "clip_per_example"],
+)
+def test_grouped_states_work_with_tree_map_params(build):
+    """A grouped state's dict of group norms is one non-parameter subtree for
+    ``optax.tree_map_params`` (its stand-in params have no paths to group), with either
+    ``transform_non_params`` the distributed guide shows; it used to be an empty dict
+    there, a pytree structure error against the real state."""
+    tx = optax.chain(build(lambda path, _: path.split("/")[0]), optax.adam(1e-3))
+    params = {"a": {"w": jnp.ones((4, 2))}, "b": {"w": jnp.ones(3)}}
+    specs = {"a": {"w": P(None, "model")}, "b": {"w": P()}}
+    state = tx.init(params)
+    is_leaf = lambda v: isinstance(v, (optax.MaskedNode, P))  # noqa: E731
+    for non_params in (lambda _: P(), lambda t: jax.tree.map(lambda _: P(), t)):
+        shardings = optax.tree_map_params(
+            tx, lambda _, s: s, state, specs, transform_non_params=non_params, is_leaf=is_leaf
+        )
+        full = jax.tree.broadcast(shardings, state, is_leaf=lambda v: isinstance(v, P))
+        assert len(jax.tree.leaves(full, is_leaf=lambda v: isinstance(v, P))) == len(
+            jax.tree.leaves(state)
+        )
+        assert optax.tree.get(shardings, "mu") == specs
