@@ -317,3 +317,17 @@ def test_unbound_axis_name_is_an_error():
     tx = jaxclip.clip_by_global_norm(1.0, axis_name="batch")
     with pytest.raises(NameError, match="unbound axis name"):
         tx.update(jnp.ones(3), tx.init(jnp.ones(3)))
+
+
+@pytest.mark.parametrize("axes", [(0, 1), (-1, 0)])
+def test_axes_naming_every_dimension_of_several_leaves_on_an_auto_mesh(axes):
+    """``axes`` that name every dimension is a whole-leaf norm: with two or more leaves
+    (their norms stacked, each back as shape (1,)) on an Auto mesh this was a raw
+    ``axis 1 is out of bounds`` from a squeeze; one device and Explicit axes were fine."""
+    mesh = _mesh(AxisType.Auto)
+    tree = {k: v for k, v in _grads().items() if v.ndim == 2}
+    out, norms = jax.jit(lambda g: jaxclip.clip_tree_by_norm(g, 1.0, axes=axes))(_place(tree, mesh))
+    for k, v in tree.items():
+        np.testing.assert_allclose(norms[k], ref.norm([v], 2.0), rtol=1e-6)
+        np.testing.assert_allclose(out[k], ref.clip_each(v, 1.0), rtol=1e-5, atol=1e-7)
+        assert np.shape(norms[k]) == ()

@@ -173,7 +173,9 @@ def clip_slices(
     for x, a, (*_, value) in zip(leaves, axes, per):
         kept = () if a is None else tuple(d for i, d in enumerate(x.shape) if i not in a)
         if value.shape != kept:  # a single value: lax.reshape; else the slices' norms
-            one = value.size == 1 and one_device(value)
+            # A stacked whole-leaf norm comes back as (1,), not with the leaf's rank: no
+            # axes of it to squeeze (axes that name every dimension, on an Auto mesh).
+            one = value.size == 1 and (one_device(value) or value.ndim != x.ndim)
             value = lax.reshape(value, kept) if one else jnp.squeeze(value, axis=a)
         values.append(value)
     return out, values
