@@ -16,7 +16,9 @@ guarded by a mechanism test):
 - bf16 buckets are concatenated as 16-bit words (:func:`concatenate`);
 - per-leaf scalars are read at offsets XLA cannot fold (:func:`opaque`), so alike
   leaves share one compiled kernel;
-- NaN is carried past XLA:CPU's max, which can drop it (:func:`max_keeping_nan`).
+- NaN is carried past XLA:CPU's max, which can drop it (:func:`max_keeping_nan`);
+- bfloat16 outputs need no rounding toward zero where float32 products flush
+  (:func:`unless_flushed`).
 
 On GPU/TPU these measures cost nothing; the blocked reduce is chosen per platform when
 lowering, so a GPU host computing on its CPU still runs the blocks.
@@ -384,6 +386,18 @@ def _on_cpu(loop: Callable[[Array], Array], x: Array, plain: Callable[[Array], A
     if jax.default_backend() == "cpu":
         return loop(x)
     return lax.platform_dependent(x, cpu=loop, default=plain)
+
+
+def unless_flushed(
+    y: Array, narrow: Callable[[Array], Array], plain: Callable[[Array], Array]
+) -> Array:
+    """``narrow(y)`` where the backend keeps float32 subnormals (GPUs), ``plain(y)`` where
+    its arithmetic flushes them to zero (XLA:CPU, TPU): there a product below float32's
+    smallest normal is already 0, so rounding it toward zero is a no-op. Chosen when
+    lowering, as :func:`_on_cpu`."""
+    if jax.default_backend() == "cpu":
+        return plain(y)
+    return lax.platform_dependent(y, cpu=plain, tpu=plain, default=narrow)
 
 
 def _looped_rows(rows: Array, elem: Elem) -> Array | None:

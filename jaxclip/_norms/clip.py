@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from jaxclip._norms.arith import Norm, acc_dtype, as_norm, frexp, ldexp, pow2
-from jaxclip._norms.backend import quotient_first
+from jaxclip._norms.backend import quotient_first, unless_flushed
 from jaxclip._norms.rules import over_norm
 from jaxclip._norms.stacking import every, stacked
 
@@ -120,15 +120,23 @@ def narrowed(y: Array, dtype: Any) -> Array:
         return lax.convert_element_type(y, dtype)
     info = jnp.finfo(dtype)
     step = float(info.smallest_subnormal)
-    sub = lax.lt(lax.abs(y), jnp.asarray(float(info.tiny), y.dtype))
-    if np.log2(step) < np.finfo(y.dtype).minexp:  # bfloat16: the steps are y's subnormals
-        # Truncating float32 bits to bfloat16's is rounding toward zero.
+    tiny = jnp.asarray(float(info.tiny), y.dtype)
+
+    def plain(y: Array) -> Array:
+        return lax.convert_element_type(y, dtype)
+
+    def bits_down(y: Array) -> Array:  # bfloat16: truncating float32's bits
         bits = lax.bitcast_convert_type(y, np.int32)
         down = lax.bitcast_convert_type(lax.bitwise_and(bits, np.int32(-65536)), y.dtype)
-    else:  # a whole number of steps, exactly (the steps are powers of two)
-        steps = jnp.trunc(lax.mul(y, jnp.asarray(1 / step, y.dtype)))
-        down = lax.mul(steps, jnp.asarray(step, y.dtype))
-    return lax.convert_element_type(lax.select(sub, down, y), dtype)
+        return plain(lax.select(lax.lt(lax.abs(y), tiny), down, y))
+
+    if np.log2(step) < np.finfo(y.dtype).minexp:  # bfloat16: y's own subnormals
+        return unless_flushed(y, bits_down, plain)
+    # float16, float8: a whole number of steps, exactly (the steps are powers of two).
+    down = lax.mul(
+        jnp.trunc(lax.mul(y, jnp.asarray(1 / step, y.dtype))), jnp.asarray(step, y.dtype)
+    )
+    return plain(lax.select(lax.lt(lax.abs(y), tiny), down, y))
 
 
 @jax.custom_jvp
