@@ -220,12 +220,13 @@ def _agc(
 
     # All leaves' limits as one set of kernels (per-leaf scalar maths would be traced and
     # compiled once per leaf), in the dtype of the gradients' norms.
+    refs = [_norms.narrow_norm(n, g.frac.dtype) for n, g in zip(p_norms, g_norms)]
     parts = _norms.stacked(
         limit,
         [g.frac for g in g_norms],
         [g.exp for g in g_norms],
-        [n.frac.astype(g.frac.dtype) for n, g in zip(p_norms, g_norms)],
-        [n.exp.astype(g.frac.dtype) for n, g in zip(p_norms, g_norms)],
+        [n.frac for n in refs],
+        [n.exp for n in refs],
     )
     norms = [_norms.Norm(f, e) for f, e, _ in parts]
     return _norms.clip_each(gs, norms, [lim for _, _, lim in parts])

@@ -36,6 +36,7 @@ from jaxclip._norms.arith import Norm as Norm
 from jaxclip._norms.arith import acc_dtype as acc_dtype
 from jaxclip._norms.arith import as_norm as as_norm
 from jaxclip._norms.arith import frexp as frexp
+from jaxclip._norms.arith import narrow_norm as narrow_norm
 from jaxclip._norms.arith import pow2 as pow2
 from jaxclip._norms.arith import result_dtype as result_dtype
 from jaxclip._norms.backend import Axes as Axes

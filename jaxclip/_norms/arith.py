@@ -172,6 +172,17 @@ def as_norm(value: Array) -> Norm:
     return Norm(value, jnp.zeros_like(value))
 
 
+def narrow_norm(n: Norm, dtype: Any) -> Norm:
+    """``n`` held in ``dtype``. A wider ``frac`` (a float64 norm under x64 beside float32
+    ones) gives its exponent to ``exp`` first: past ``dtype``'s range its value stays
+    finite and exact to ``dtype``'s precision, where a cast would make it inf."""
+    dtype = np.dtype(dtype)
+    if np.dtype(n.frac.dtype).itemsize <= dtype.itemsize:
+        return Norm(n.frac.astype(dtype), n.exp.astype(dtype))
+    f, e = frexp(n.frac)
+    return Norm(f.astype(dtype), (n.exp + e).astype(dtype))
+
+
 def where_norm(pred: Array, a: Norm, b: Norm) -> Norm:
     """``a`` where ``pred``, else ``b``, part by part."""
     return Norm(jnp.where(pred, a.frac, b.frac), jnp.where(pred, a.exp, b.exp))

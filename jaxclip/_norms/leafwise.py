@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxclip._norms.arith import Norm
+from jaxclip._norms.arith import Norm, narrow_norm
 from jaxclip._norms.backend import Axes, reduction_view
 from jaxclip._norms.clip import Factor, apply_factors, as_acc, clip_factor
 from jaxclip._norms.devices import (
@@ -213,12 +213,13 @@ def clip_slices_relative(
         norm, limit = relative_limit(Norm(frac, exp), Norm(rfrac, rexp), clipping, eps)
         return (*clip_factor(norm, limit), norm.frac, norm.exp, limit)
 
+    rnorms = [narrow_norm(r, n.frac.dtype) for r, n in zip(rnorms, norms)]
     per = stacked(
         factors,
         [n.frac for n in norms],
         [n.exp for n in norms],
-        [r.frac.astype(n.frac.dtype) for r, n in zip(rnorms, norms)],
-        [r.exp.astype(n.frac.dtype) for r, n in zip(rnorms, norms)],
+        [r.frac for r in rnorms],
+        [r.exp for r in rnorms],
         where=where,
         raw=True,
     )
