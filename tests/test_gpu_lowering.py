@@ -92,3 +92,24 @@ def test_magnitudes_bits_clear_the_sign_as_an_integer():
         top = float(jnp.finfo(dtype).max)  # float8_e4m3fn has no inf
         bits = backend.magnitude_bits(jnp.asarray([nan, -top, 1.0], dtype))
         assert int(bits[0]) > int(bits[1]) > int(bits[2]) > 0, dtype
+
+
+def test_bfloat16_outputs_round_toward_zero_only_where_subnormals_are_kept(monkeypatch):
+    """bfloat16 outputs subnormal (float32's subnormals) are rounded toward zero by
+    truncating float32's bits (an integer ``and`` with -65536) where the backend keeps
+    float32 subnormals (GPUs); XLA:CPU flushes the products to 0 already: no such op."""
+    x = {"w": jnp.full((4, 8), 3.0, jnp.bfloat16)}
+
+    def masks(platform: str) -> int:
+        fn = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1e-3, axes=-1)[0])
+        return fn.trace(x).lower(lowering_platforms=(platform,)).as_text().count("-65536")
+
+    assert masks("cpu") == 0
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jax.clear_caches()
+    try:
+        assert masks("cuda") >= 1
+        assert masks("cpu") == 0
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
