@@ -96,6 +96,22 @@ def test_norm_value_and_from_root():
     assert float(arith.from_root(jnp.float32(np.inf), 0).value) == np.inf
 
 
+def test_narrow_norm_keeps_the_value_and_a_norm_of_its_dtype_as_it_is():
+    same = arith.Norm(jnp.float32(3.0), jnp.float32(0.0))
+    got = arith.narrow_norm(same, np.float32)
+    assert (float(got.frac), float(got.exp)) == (3.0, 0.0)  # canonical: exp 0 stays 0
+    with jax.enable_x64(True):
+        for v, e in ((6e38, 0.0), (3.0, 0.0), (1e-300, 0.0), (0.0, 0.0), (np.inf, 0.0), (5.0, 7.0)):
+            n = arith.narrow_norm(arith.Norm(jnp.float64(v), jnp.float64(e)), np.float32)
+            assert n.frac.dtype == np.float32 and n.exp.dtype == np.float32
+            if v in (0.0, np.inf):
+                assert (float(n.frac), float(n.exp)) == (v, e)
+            else:  # the value, to float32's precision, at any exponent
+                assert 0.5 <= float(n.frac) < 1.0
+                got = math.log2(float(n.frac)) + float(n.exp)
+                assert got == pytest.approx(math.log2(v) + e, abs=1e-6), (v, e)
+
+
 def test_exact_range_and_floor_bound():
     lo = float(F32.tiny) * 2.0**64
     assert arith.exact_lo(np.float32) == lo

@@ -110,6 +110,8 @@ def test_bfloat16_outputs_round_toward_zero_only_where_subnormals_are_kept(monke
     try:
         assert masks("cuda") >= 1
         assert masks("cpu") == 0
+        x = {"w": jnp.full((4, 8), 3.0, jnp.float32)}  # float32 outputs: rounded once
+        assert masks("cuda") == 0
     finally:
         monkeypatch.undo()
         jax.clear_caches()
