@@ -176,10 +176,13 @@ def _assert_scaled(out: Any, x: Any, scale: Any, what: str) -> None:
 
 def _magnitude_less_subnormal_step(out: Any) -> np.ndarray:
     """|out| in float64, where each subnormal value (each subnormal part of a complex one)
-    counts one smallest-subnormal step less: rounding into the subnormal range has an
-    absolute error, which no relative bound covers."""
+    of a float32 or wider output counts one smallest-subnormal step less: rounding into
+    the subnormal range has an absolute error, which no relative bound covers. 16-bit and
+    8-bit outputs are rounded toward zero there (the numerics guide): taken as they are."""
     r = _range(out.dtype)
     o = ref.f64(out)
+    if np.dtype(out.dtype).itemsize <= 2 and not np.iscomplexobj(o):
+        return np.abs(o)
 
     def down(a: np.ndarray) -> np.ndarray:
         a = np.abs(a)
