@@ -103,10 +103,18 @@ def apply_factor(x: Array, factor: Factor) -> Array:
         return jnp.where(factor.keep, x, (x * f0 * f1).astype(x.dtype))
     # lax, not jnp: this runs once per leaf, and jnp's wrappers cost far more tracing
     # (a thousand-leaf tree's trace is mostly such calls).
-    f0, f1 = (spread(lax.convert_element_type(f, acc), x) for f in factor[1:])
+    f0, f1 = (operand(lax.convert_element_type(f, acc), x) for f in factor[1:])
     y = lax.mul(lax.mul(lax.convert_element_type(x, acc), f0), f1)
-    keep = spread(jnp.asarray(factor.keep), x)
+    keep = operand(jnp.asarray(factor.keep), x)
     return lax.select(keep, x, narrowed(y, x.dtype))
+
+
+def operand(v: Array, like: Array) -> Array:
+    """``v`` as an operand of an elementwise ``lax`` op on ``like``: one value as a scalar,
+    which ``lax`` broadcasts itself (no broadcast traced per leaf), else :func:`spread`."""
+    if v.size == 1 and v.ndim <= like.ndim:
+        return v if v.ndim == 0 else lax.reshape(v, ())
+    return spread(v, like)
 
 
 def narrowed(y: Array, dtype: Any) -> Array:
