@@ -684,3 +684,253 @@ def test_jax_privacy_nan_example_is_reported_not_zeroed():
     neighbor = finite.at[3].set(jnp.array([-10.0, 10.0, 20.0, 20.0]))
     diff = jnp.linalg.norm(_JP_CLIPPED_FUN(finite) - _JP_CLIPPED_FUN(neighbor))
     assert float(diff) <= 2.0 + 1e-6
+
+
+# ---------------------------------------------------------------------------------------
+# Edge cases of the peers' clipping tests and documented behaviours, with the peers' own
+# outputs recorded as literals: torch 2.14.1 (test_nn.py TestNNDeviceType
+# test_clip_grad_norm_error_if_nonfinite, test_clip_grad_value, clip_grads_with_norm_),
+# tensorflow 2.21.0 (clip_ops_test.py ClipTest) and paddlepaddle 3.3.1 on CPU
+# (test_gradient_clip.py, test_clip_by_norm_op.py). Where jaxclip differs on purpose,
+# the test names the line of docs/guides/porting.md that says so.
+
+_GN_P = {
+    p: jax.jit(lambda g, p=p: jaxclip.clip_tree_by_global_norm(g, 1.0, norm_type=p))
+    for p in (0.1, 1.0, 2.0, 3.5, math.inf)
+}
+
+
+@pytest.mark.parametrize("scalar", [math.inf, -math.inf, math.nan, 2e22, -2e22])
+def test_torch_clip_grad_norm_error_if_nonfinite_cases(scalar):
+    # test_clip_grad_norm_error_if_nonfinite's positive norm types (0.1, 1, 2, 3.5, inf;
+    # jaxclip refuses 0 and negative ones, see test_torch_norm_types_jaxclip_refuses):
+    # grad_only_one_elem x prefix_finite_grad_param, ten elements. torch 2.14.1 raised for
+    # every inf, -inf and NaN case and for none of the 2e22 ones (which it runs in
+    # float64; in float32 its squares overflow at p 2 and 3.5 and it raises there too,
+    # jaxclip does not: porting.md "Where a peer's norm overflows").
+    for one in (False, True):
+        for prefix in (False, True):
+            g = np.zeros(10, np.float32)
+            g[: 1 if one else 10] = scalar
+            # A zero-gradient prefix changes no positive-p norm: one shape, one compile.
+            grads = [jnp.full(10, 1.0 if prefix else 0.0), jnp.asarray(g)]
+            for p, step in _GN_P.items():
+                _, total = step(grads)
+                x = np.concatenate([np.ones(10) if prefix else np.zeros(10), np.float64(g)])
+                if math.isinf(scalar) or math.isnan(scalar):
+                    assert not np.isfinite(total)
+                    assert np.isnan(total) == math.isnan(scalar)
+                else:
+                    a = np.abs(x) / np.abs(x).max()  # scaled: 2e22**p overflows no float64
+                    want = np.abs(x).max() * (1.0 if p == math.inf else np.sum(a**p) ** (1 / p))
+                    np.testing.assert_allclose(total, want, rtol=2e-6)
+            if not np.isfinite(scalar):
+                with pytest.raises(RuntimeError, match="non-finite"):
+                    jaxclip.clip_tree_by_global_norm(grads, 1.0, error_if_nonfinite=True)
+
+
+def test_torch_clip_grad_norm_nonfinite_outputs_and_empty():
+    # torch 2.14.1, foreach None/True/False alike, p 1, 2, inf:
+    # [1, inf], [1, 1] -> total inf, [0, nan], [0, 0]; [1, nan], [1, 1] -> all NaN.
+    for p in (1.0, 2.0, math.inf):
+        out, total = _GN_P[p]([jnp.array([1.0, jnp.inf]), jnp.ones(2)])
+        assert total == np.inf
+        np.testing.assert_array_equal(out[0], [0.0, np.nan])
+        np.testing.assert_array_equal(out[1], [0.0, 0.0])
+        out, total = _GN_P[p]([jnp.array([1.0, jnp.nan]), jnp.ones(2)])
+        assert np.isnan(total) and all(np.isnan(o).all() for o in out)
+    # clip_grad_norm_([]) and all-None grads -> tensor(0.); None grads are skipped.
+    for tree in ([], [None, None]):
+        out, total = jaxclip.clip_tree_by_global_norm(tree, 1.0)
+        assert out == tree and float(total) == 0.0
+    (none, b), total = jaxclip.clip_tree_by_global_norm([None, jnp.array([3.0, 4.0])], 1.0)
+    assert none is None and float(total) == 5.0
+    np.testing.assert_allclose(b, [0.6, 0.8], rtol=1e-6)
+
+
+def test_torch_norm_types_jaxclip_refuses():
+    # torch 2.14.1 clip_grad_norm_ of [3, 0], [0, 4] at max_norm 1: norm_type 0 -> total
+    # 2.0 (vector_norm's ord 0 twice: the number of tensors with a nonzero), -inf and -1
+    # -> 0.0 (no clipping), 1e-4 -> inf (all zeros). jaxclip refuses these
+    # (porting.md: "norm_type ... p >= 2**-10 or inf").
+    for p in (0, 0.0, -1.0, -math.inf, 1e-4):
+        with pytest.raises(ValueError, match="norm_type"):
+            jaxclip.clip_tree_by_global_norm([jnp.array([3.0, 0.0])], 1.0, norm_type=p)
+    # 'inf' as a string, as torch takes it.
+    assert float(jaxclip.global_norm([jnp.array([3.0, -4.0])], "inf")) == 4.0
+
+
+def test_torch_16bit_and_mixed_dtype_totals():
+    # torch 2.14.1: the total has the gradients' dtype (float16 [3, 4] -> tensor(5.,
+    # dtype=float16)) and overflows with it: nine float16 30000s -> total inf, gradients
+    # all 0; bfloat16 30000s -> 90112 (bfloat16), each 0.3320. jaxclip's total is float32
+    # (porting.md "the total norm is float32"), and it clips: each 1/3.
+    out, total = jaxclip.clip_tree_by_global_norm([jnp.full(9, 30000.0, jnp.float16)], 1.0)
+    assert total.dtype == jnp.float32 and out[0].dtype == jnp.float16
+    np.testing.assert_allclose(total, 90000.0, rtol=1e-6)  # 30000 is a float16
+    np.testing.assert_allclose(np.float32(out[0]), 1 / 3, rtol=1e-3)
+    # Mixed float16 + float32 leaves: torch's total is float32, 5.0; grads 0.6001 (f16), 0.8.
+    (a, b), total = jaxclip.clip_tree_by_global_norm(
+        [jnp.array([3.0, 0.0], jnp.float16), jnp.array([0.0, 4.0])], 1.0
+    )
+    assert total.dtype == jnp.float32 and float(total) == 5.0
+    assert a.dtype == jnp.float16 and b.dtype == jnp.float32
+    np.testing.assert_allclose(np.float32(a), [0.6, 0.0], rtol=1e-3)
+    np.testing.assert_allclose(b, [0.0, 0.8], rtol=1e-6)
+
+
+def test_torch_clip_grads_with_norm_and_max_norm_inf():
+    # torch 2.14.1 clip_grads_with_norm_(params, 1.0, total) on [3, 0], [0, 4]:
+    # total 10 -> [0.3, 0], [0, 0.4]; 0.5 and 0 -> unchanged; inf -> all 0.
+    grads = [jnp.array([3.0, 0.0]), jnp.array([0.0, 4.0])]
+    for used, want in ((10.0, 0.1), (0.5, 1.0), (0.0, 1.0), (math.inf, 0.0)):
+        out, _ = jaxclip.clip_tree_by_global_norm(grads, 1.0, use_norm=used)
+        for o, g in zip(out, grads):
+            np.testing.assert_allclose(o, np.asarray(g) * want, rtol=1e-6)
+    # max_norm inf: torch keeps finite gradients as they are ([3, 4] -> [3, 4]) but turns
+    # an inf total into all-NaN gradients (inf / inf); TensorFlow and Paddle give NaN even
+    # for finite ones (tf.clip_by_global_norm and ClipGradByGlobalNorm of [[-2, 0, 0],
+    # [4, 0, 0]], [1, -2] at inf: all NaN). jaxclip returns them unchanged, inf included
+    # (porting.md "clip_norm=float('inf')").
+    out, total = jaxclip.clip_tree_by_global_norm(grads, math.inf)
+    assert float(total) == 5.0 and all(np.array_equal(o, g) for o, g in zip(out, grads))
+    bad = [jnp.array([1.0, jnp.inf]), jnp.ones(2)]
+    out, total = jaxclip.clip_tree_by_global_norm(bad, math.inf)
+    assert total == np.inf and all(np.array_equal(o, g) for o, g in zip(out, bad))
+
+
+def test_torch_clip_grad_value_bounds_jaxclip_refuses():
+    # torch 2.14.1 clip_grad_value_(p, v) is clamp(-v, v): v=0 -> all 0, v=-1 -> all -1
+    # (torch.clamp with min > max gives max), None -> TypeError. Paddle's ClipGradByValue
+    # asserts max > 0 when min is None, as jaxclip checks (porting.md).
+    for v in (0.0, -1.0):
+        with pytest.raises(ValueError, match="max must be > 0"):
+            jaxclip.clip_by_value(v)
+    with pytest.raises(TypeError):
+        jaxclip.clip_by_value(None)
+    # v = inf: unchanged in torch, as here.
+    x = jnp.array([-3.0, 0.2, 2.0])
+    np.testing.assert_array_equal(jaxclip.clip_tree_by_value(x, math.inf), x)
+
+
+_TF_M = jnp.array([[-3.0, 0.0, 0.0], [4.0, 3.0, 0.0]])
+_TF_NORM = jax.jit(
+    lambda t, axes: jaxclip.clip_tree_by_norm(t, 4.0, axes=axes)[0], static_argnames="axes"
+)
+
+
+def test_tf_clip_by_norm_axes_forms():
+    # tf.clip_by_norm(m, 4.0, axes=...) in tensorflow 2.21.0.
+    rows = [[-3.0, 0.0, 0.0], [3.2000000476837158, 2.4000000953674316, 0.0]]
+    cols = [[-2.4000000953674316, 0.0, 0.0], [3.200000047683716, 3.0, 0.0]]
+    both = [[-2.057983160018921, 0.0, 0.0], [2.7439775466918945, 2.057983160018921, 0.0]]
+    for axes, want in (
+        (1, rows),
+        ((1,), rows),
+        (-1, rows),
+        ((-2,), cols),
+        ((0, 1), both),
+        ((), _TF_M),
+    ):
+        np.testing.assert_allclose(_TF_NORM(_TF_M, axes), want, rtol=1e-6)
+    np.testing.assert_allclose(jaxclip.clip_tree_by_norm(_TF_M, 4.0, axes=[-2])[0], cols, 1e-6)
+    # TF: InvalidArgumentError for [1, -1] (duplicate) and 2 (out of range).
+    for axes in ([1, -1], 2):
+        with pytest.raises(ValueError, match="axes"):
+            jaxclip.clip_tree_by_norm(_TF_M, 4.0, axes=axes)
+
+
+def test_tf_clip_by_norm_special_inputs():
+    # tensorflow 2.21.0: zeros -> zeros; [3, inf] -> [0, nan]; [3, nan] -> [nan, nan];
+    # a (0, 3) tensor -> (0, 3), with and without axes=[1].
+    step = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0)[0])
+    np.testing.assert_array_equal(step(jnp.zeros(2)), [0.0, 0.0])
+    np.testing.assert_array_equal(step(jnp.array([3.0, jnp.inf])), [0.0, np.nan])
+    assert np.isnan(step(jnp.array([3.0, jnp.nan]))).all()
+    for axes in (None, 1):
+        out, norms = jaxclip.clip_tree_by_norm(jnp.zeros((0, 3)), 1.0, axes=axes)
+        assert out.shape == (0, 3) and np.shape(norms) == (() if axes is None else (0,))
+    # tf.clip_by_norm of an int32 tensor: InvalidArgumentError. jaxclip returns integer
+    # leaves unchanged, as it does gradients' integer leaves (porting.md).
+    out, _ = jaxclip.clip_tree_by_norm(jnp.array([3, 4]), 1.0)
+    np.testing.assert_array_equal(out, [3, 4])
+
+
+def test_tf_clip_by_global_norm_none_inf_and_average_norm():
+    x0, x1 = jnp.array([[-2.0, 0.0, 0.0], [4.0, 0.0, 0.0]]), jnp.array([1.0, -2.0])
+    # tensorflow 2.21.0: [x0, None] -> norm 4.4721360206604, [[-0.894427, ..], [1.788854,
+    # ..]], None; [None, None] and [] -> norm 0.0, unchanged.
+    (c0, none), gn = jaxclip.clip_tree_by_global_norm([x0, None], 2.0)
+    assert none is None
+    np.testing.assert_allclose(gn, 4.4721360206604, rtol=1e-7)
+    np.testing.assert_allclose(c0, [[-0.8944271802902222, 0, 0], [1.7888543605804443, 0, 0]], 1e-6)
+    for tree in ([None, None], []):
+        out, gn = jaxclip.clip_tree_by_global_norm(tree, 2.0)
+        assert out == tree and float(gn) == 0.0
+    # An infinite global norm: TF gives [[nan, nan], [nan, nan]]; jaxclip, as torch,
+    # [[0, nan], [0, 0]] (porting.md "For an infinite global norm").
+    out, gn = jaxclip.clip_tree_by_global_norm([jnp.array([1.0, jnp.inf]), x1], 2.0)
+    assert gn == np.inf
+    np.testing.assert_array_equal(out[0], [0.0, np.nan])
+    np.testing.assert_array_equal(out[1], [0.0, 0.0])
+    # tf.compat.v1.clip_by_average_norm([[-3, 0, 0], [4, 0, 0]], 0.8) -> [[-2.88, 0, 0],
+    # [3.84, 0, 0]]: clip_by_norm at 0.8 times the size (porting.md).
+    t = jnp.array([[-3.0, 0.0, 0.0], [4.0, 0.0, 0.0]])
+    out, _ = jaxclip.clip_tree_by_norm(t, 0.8 * t.size)
+    np.testing.assert_allclose(out, [[-2.88, 0, 0], [3.84, 0, 0]], rtol=1e-6)
+
+
+def test_tf_clip_by_value_tensor_bounds():
+    # tf.clip_by_value(x, [[0], [-3]], [2, 4, 6]) in tensorflow 2.21.0 -> [[1, 4, 6],
+    # [-1, -3, -3]]; min > max: TF gives min everywhere ([1, 1, 1]), torch max; jaxclip
+    # refuses concrete bounds that cross.
+    x = jnp.array([[1.0, 5.0, 9.0], [-1.0, -5.0, -9.0]])
+    out = jaxclip.clip_tree_by_value(x, jnp.array([2.0, 4.0, 6.0]), jnp.array([[0.0], [-3.0]]))
+    np.testing.assert_array_equal(out, [[1, 4, 6], [-1, -3, -3]])
+    with pytest.raises(ValueError, match="min must be <= max"):
+        jaxclip.clip_tree_by_value(x, -1.0, 1.0)
+
+
+def test_paddle_need_clip_none_grads_and_zero_size():
+    # paddlepaddle 3.3.1 dygraph, ClipGradByGlobalNorm(1.0) on [3, 0], [0, 4]:
+    # second need_clip=False -> [1, 0], [0, 4]; both False -> unchanged; all grads None ->
+    # unchanged; group_name="g1" -> as the default ([0.6, 0], [0, 0.8]); a (0, 3) grad
+    # beside [3, 4] -> [], [0.6, 0.8]. ClipGradByNorm(1.0) of a (0, 3) grad -> (0, 3).
+    g = {"w": jnp.array([3.0, 0.0]), "b": jnp.array([0.0, 4.0])}
+    out, _ = jaxclip.clip_tree_by_global_norm(g, 1.0, need_clip={"w": True, "b": False})
+    np.testing.assert_array_equal(out["w"], [1.0, 0.0])
+    np.testing.assert_array_equal(out["b"], [0.0, 4.0])
+    out, gn = jaxclip.clip_tree_by_global_norm(g, 1.0, need_clip={"w": False, "b": False})
+    assert float(gn) == 0.0 and all(np.array_equal(out[k], g[k]) for k in g)
+    tx = jaxclip.clip_by_global_norm(1.0)
+    out, _ = tx.update({"w": None, "b": None}, tx.init({"w": None, "b": None}))
+    assert out == {"w": None, "b": None}
+    out, _ = jaxclip.clip_tree_by_global_norm([jnp.zeros((0, 3)), jnp.array([3.0, 4.0])], 1.0)
+    assert out[0].shape == (0, 3)
+    np.testing.assert_allclose(out[1], [0.6, 0.8], rtol=1e-6)
+    # ClipGradByNorm(0.0) and (-1.0): ValueError "max_norm should be greater than 0", as
+    # jaxclip's; ClipGradByValue(max=-1.0, min=-2.0) of [-3, 0.5, 2] -> [-2, -1, -1].
+    for c in (0.0, -1.0):
+        with pytest.raises(ValueError, match="clip_norm"):
+            jaxclip.clip_by_norm(c)
+    np.testing.assert_array_equal(
+        jaxclip.clip_tree_by_value(jnp.array([-3.0, 0.5, 2.0]), -1.0, -2.0), [-2, -1, -1]
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_paddle_clip_by_norm_op_16bit(dtype):
+    # test_clip_by_norm_op.py TestClipByNormOpFp16 / TestClipByNormBF16Op (CUDA only in
+    # Paddle: its CPU build has no 16-bit clip_by_norm kernel): input random in [0, 1)
+    # with |x| < 0.006 set to 0.5; out = max_norm * x / norm where norm > max_norm, from
+    # float64 NumPy; Paddle's tolerance atol 1e-3.
+    rng = np.random.default_rng(0)
+    for shape, max_norm in (((100,), 1.0), ((100,), 1e20), ((16, 16), 0.1), ((4, 8, 16), 1.0)):
+        x = rng.random(shape)
+        x[np.abs(x) < 0.006] = 0.5
+        x = np.asarray(jnp.asarray(x, dtype), np.float64)  # the inputs as the dtype holds them
+        norm = np.sqrt(np.sum(np.square(x)))
+        want = max_norm * x / norm if norm > max_norm else x
+        out, _ = jaxclip.clip_tree_by_norm(jnp.asarray(x, dtype), max_norm)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=1e-3, rtol=0)
