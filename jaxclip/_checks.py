@@ -365,6 +365,13 @@ def value_bounds(max_value: Any, min_value: Any, fn: str = "clip_by_value") -> t
             f"jaxclip.{fn}: min of shape {np.shape(lo)} and max of shape {np.shape(hi)} do not "
             "broadcast against each other; pass bounds of broadcastable shapes."
         ) from e
+    for v, name, given in ((vmin, "min", min_value), (vmax, "max", max_value)):
+        if v is not None and np.issubdtype(v.dtype, np.floating) and np.isnan(v).any():
+            nan = np.asarray(~np.isnan(v))
+            raise ValueError(
+                f"jaxclip.{fn}: {name}={_show(given)} is NaN{_first_bad(nan)}; pass a real "
+                "bound (-inf or inf for none)."
+            )
     if vmax is not None and vmin is not None:
         ok = np.asarray(vmin <= vmax)
         if not ok.all():  # also catches NaN

@@ -889,6 +889,9 @@ def test_tf_clip_by_value_tensor_bounds():
     np.testing.assert_array_equal(out, [[1, 4, 6], [-1, -3, -3]])
     with pytest.raises(ValueError, match="min must be <= max"):
         jaxclip.clip_tree_by_value(x, -1.0, 1.0)
+    # A NaN bound is named as NaN, not as min > max ("got min=nan > max=1.0").
+    with pytest.raises(ValueError, match="min=nan is NaN"):
+        jaxclip.clip_tree_by_value(x, 1.0, math.nan)
 
 
 def test_paddle_need_clip_none_grads_and_zero_size():
