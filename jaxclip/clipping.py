@@ -137,8 +137,12 @@ def clip_tree_by_value(
     def clip(x: Array) -> Array:
         x = jnp.asarray(x)
         if x.dtype not in per_dtype:
-            b = (jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype))
-            per_dtype[x.dtype] = (b, not all(_normal_bound(v, x.dtype) for v in (lo, hi)))
+            # A bound past the dtype's range rounds to +-inf, as torch.clamp and
+            # tf.clip_by_value take it (1e5 for float16): no NumPy overflow warning.
+            with np.errstate(over="ignore"):
+                b = (jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype))
+                normal = all(_normal_bound(v, x.dtype) for v in (lo, hi))
+            per_dtype[x.dtype] = (b, not normal)
         (lo_d, hi_d), by_keys = per_dtype[x.dtype]
         # lax, not jnp.where and jnp.clip: jitted functions, two calls per leaf in the
         # program. Values inside the bounds come back bit for bit, NaN stays NaN.

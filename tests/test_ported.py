@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -892,6 +893,19 @@ def test_tf_clip_by_value_tensor_bounds():
     # A NaN bound is named as NaN, not as min > max ("got min=nan > max=1.0").
     with pytest.raises(ValueError, match="min=nan is NaN"):
         jaxclip.clip_tree_by_value(x, 1.0, math.nan)
+
+
+def test_clip_by_value_bound_past_the_dtype_range_warns_nothing():
+    # torch.clamp of float16 [-3, 60000, 2] at +-70000 (past float16's 65504) returns it
+    # unchanged, silently; jaxclip did too, but with three NumPy "overflow encountered in
+    # cast" RuntimeWarnings (an error under -W error), as for 1e39 on any float32 leaf.
+    x = jnp.array([-3.0, 60000.0, 2.0], jnp.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(jaxclip.clip_tree_by_value(x, 70000.0), x)
+        np.testing.assert_array_equal(jaxclip.clip_tree_by_value(x, 1e39, -1e39), x)
+        y = jnp.array([1.0, -2.0])
+        np.testing.assert_array_equal(jaxclip.clip_tree_by_value(y, 1e39), y)
 
 
 def test_paddle_need_clip_none_grads_and_zero_size():
