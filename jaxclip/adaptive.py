@@ -337,9 +337,9 @@ def auto_clip(
         del params
         sel, xs, norm, parts = _selected(updates, need_clip, axis_name, "auto_clip")
         finite = jnp.isfinite(norm)
-        history = jnp.where(
-            finite, state.history.at[state.finite_count % window].set(norm), state.history
-        )
+        # jnp.asarray: a state restored from a checkpoint (NumPy arrays) has no ``.at``.
+        history = jnp.asarray(state.history)
+        history = jnp.where(finite, history.at[state.finite_count % window].set(norm), history)
         count = state.finite_count + finite.astype(jnp.int32)
         # With no finite norm recorded yet (a non-finite first step) the threshold is 0, so
         # an inf norm scales by 0 and a NaN norm gives NaN, as in clip_by_global_norm; but
@@ -875,11 +875,8 @@ def zclip(
         threshold = jnp.minimum(adaptive, cap)
         clipped = sel.rebuild(_norms.clip_joint(xs, parts, threshold))
 
-        warmup = jnp.where(
-            warming & finite,
-            state.warmup.at[seen % warmup_steps].set(norm),
-            state.warmup,
-        )
+        old = jnp.asarray(state.warmup)  # a NumPy array in a state restored from a checkpoint
+        warmup = jnp.where(warming & finite, old.at[seen % warmup_steps].set(norm), old)
         ready = warming & finite & (seen + 1 == warmup_steps)
         mean0, std0 = _moments(warmup, jnp.asarray(warmup_steps, warmup.dtype), ddof=0)
         mean1 = alpha * state.mean + (1 - alpha) * adaptive

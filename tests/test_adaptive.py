@@ -703,3 +703,22 @@ def test_adaptive_clip_float64_param_norm_past_float32_under_x64(other):
             np.testing.assert_allclose(np.asarray(out["a"], np.float64), 3e36, rtol=1e-6)
             assert out["a"].dtype == jnp.float32
             np.testing.assert_array_equal(out["b"], grads["b"])
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: jaxclip.auto_clip(10.0, window=4), "history"),
+        (lambda: jaxclip.zclip(warmup_steps=2, max_grad_norm=None), "warmup"),
+    ],
+    ids=["auto_clip", "zclip"],
+)
+def test_eager_update_from_a_state_restored_as_numpy(make, field):
+    # A checkpoint (pickle of jax.device_get(state), msgpack, np.asarray per leaf) gives
+    # NumPy arrays: the eager update takes them as the jitted one does (was an
+    # AttributeError: 'numpy.ndarray' object has no attribute 'at').
+    tx = make()
+    state = jax.tree.map(np.asarray, tx.init(_grads(1.0)))
+    out, state = tx.update(_grads(5.0), state)  # the first step: recorded, not clipped
+    chex.assert_trees_all_equal(out, _grads(5.0))
+    np.testing.assert_allclose(getattr(state, field)[0], 5.0, rtol=1e-6)
