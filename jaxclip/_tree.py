@@ -462,6 +462,11 @@ def group_labels(
                 f"jaxclip: group({path!r}, leaf) returned {label!r}, which is not hashable; "
                 "return a str or int label (a tuple for a composite one)."
             ) from None
+        if not label == label:  # NaN: each leaf would be a group of its own, never found
+            raise TypeError(
+                f"jaxclip: group({path!r}, leaf) returned {label!r}, which is not equal to "
+                "itself, so it cannot name a group; return a str or int label."
+            )
     labels = list(dict.fromkeys(per_leaf))
     try:  # the state keeps a dict label -> norm, whose keys JAX sorts
         sorted(labels)

@@ -193,6 +193,12 @@ def test_skip_large_updates_refuses_an_optimizer_factory():
             r"one kind that sorts.*group\('bias', leaf\) returned 0 but .* returned 'enc'",
         ),
         (lambda path, leaf: [path], r"group\('bias', leaf\) returned \['bias'\], which is not"),
+        # NaN is not equal to itself: every leaf was a group of its own that no lookup
+        # found, and clip_tree_by_global_norm returned the tree unclipped with norms 0.
+        (
+            lambda path, leaf: float("nan"),
+            r"group\('bias', leaf\) returned nan, which is not equal",
+        ),
     ],
 )
 def test_group_labels_that_cannot_key_a_state_name_the_leaves(group, match):
