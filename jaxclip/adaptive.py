@@ -184,6 +184,13 @@ def clip_tree_adaptive(
                 f"{p.shape} but its gradient has shape {g.shape}; pass update the params "
                 "the gradients were taken of (the same structure and shapes)."
             )
+        if not jnp.issubdtype(p.dtype, jnp.inexact):
+            raise TypeError(
+                f"jaxclip.adaptive_clip: the parameter at {_tree.shown(path)} has dtype "
+                f"{p.dtype} but its gradient is {g.dtype}; pass update the params the "
+                "gradients were taken of (a float parameter; an integer one has float0 "
+                "gradients), or exclude the leaf with need_clip."
+            )
     names = _axes.resolve(axis_name, sel, "adaptive_clip")
     leaf_axes = [
         _checks.leaf_axes(axes_t, g, path)

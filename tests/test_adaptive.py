@@ -471,6 +471,14 @@ def test_adaptive_clip_with_integer_params_and_float0_grads():
     assert out["step"] is grads["step"]
 
 
+def test_adaptive_clip_float_gradient_of_an_integer_param_names_the_leaf():
+    # Was numpy's "ValueError: data type <class 'numpy.int32'> not inexact", no leaf named.
+    grads = {"w": jnp.ones(2), "step": jnp.ones(3)}
+    params = {"w": jnp.ones(2), "step": jnp.ones(3, jnp.int32)}
+    with pytest.raises(TypeError, match=r"parameter at 'step' has dtype int32.*need_clip"):
+        jaxclip.clip_tree_adaptive(grads, params, 0.1)
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [
