@@ -365,6 +365,7 @@ def select(
     allow_complex: bool = True,
     what: str = "clipping",
     view: Callable[[Any], Any] | None = None,
+    params: bool = False,
 ) -> Selection:
     """Flattens ``tree`` and decides, statically, which leaves take part.
 
@@ -380,6 +381,8 @@ def select(
       what: the operation, for error messages.
       view: what a rule (``need_clip`` or ``group``) is shown of each leaf, e.g.
         :func:`one_example` for per-example gradients; the leaf itself by default.
+      params: ``tree`` is the params (``init``): an integer or boolean parameter is never
+        selected, as its gradient (``float0``) is not in ``update``, whatever the rule says.
 
     Returns:
       The :class:`Selection`.
@@ -412,8 +415,10 @@ def select(
 
     selected = []
     for w, d, p in zip(wanted, dtypes, paths):
-        if d == jax.dtypes.float0:
-            selected.append(False)  # gradient of an integer input: nothing to clip
+        if d == jax.dtypes.float0 or (params and not jnp.issubdtype(d, jnp.inexact)):
+            # The gradient of an integer input, or (in init) the integer input itself:
+            # nothing to clip, and update finds float0 there, which it leaves out too.
+            selected.append(False)
             continue
         if w and not jnp.issubdtype(d, jnp.inexact):
             raise TypeError(

@@ -406,7 +406,7 @@ def _history_clip(
     def init_fn(params: PyTree) -> HistoryClipState:
         f32, lead, paths = jnp.float32, (), {}
         if not global_threshold:
-            sel = _tree.select(params, need_clip, what="adaptive clipping")
+            sel = _tree.select(params, need_clip, what="adaptive clipping", params=True)
             lead = (len(sel.chosen),)
             # One node (cheap to flatten); each path ends in a newline, so that a tree
             # that is one array (path "") differs from a tree of no selected leaves.

@@ -568,7 +568,7 @@ def clip_by_norm(
             # A scalar per leaf, not a tree of parameters: optax.tree_map_params then
             # maps the field with transform_non_params (a replicated sharding), not f.
             return ClipByNormState(jnp.zeros((), jnp.float32))
-        sel = _tree.select(params, need_clip, what="norm clipping")
+        sel = _tree.select(params, need_clip, what="norm clipping", params=True)
         zeros = [jnp.zeros((), jnp.float32) for _ in sel.indices]
         return ClipByNormState(sel.per_leaf(zeros, optax.MaskedNode()))
 
@@ -666,7 +666,7 @@ def clip_by_global_norm(
             # subtree (a dict of scalars) that transform_non_params maps whole.
             return ClipByGlobalNormState(jnp.zeros((), jnp.float32))
         labels, _ = _tree.group_labels(
-            group, _tree.select(params, need_clip, what="global-norm clipping")
+            group, _tree.select(params, need_clip, what="global-norm clipping", params=True)
         )
         return ClipByGlobalNormState({label: jnp.zeros((), jnp.float32) for label in labels})
 

@@ -751,7 +751,7 @@ def clip_per_example(
             # subtree that transform_non_params maps whole.
             return [None]
         return _tree.group_labels(
-            group, _tree.select(params, need_clip, what="per-example clipping")
+            group, _tree.select(params, need_clip, what="per-example clipping", params=True)
         )[0]
 
     def pack(values: dict[Hashable, Array]) -> Any:

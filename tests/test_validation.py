@@ -297,6 +297,35 @@ def test_need_clip_selecting_by_dtype_is_a_clear_error(make):
         jax.jit(tx.update)(grads, tx.init(params))
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda rule: jaxclip.clip_by_norm(1.0, need_clip=rule),
+        lambda rule: jaxclip.clip_by_global_norm(1.0, need_clip=rule, group=lambda p, x: "all"),
+        lambda rule: jaxclip.quantile_clip(0.5, 4, need_clip=rule),
+        lambda rule: jaxclip.clip_per_example(1.0, need_clip=rule, group=lambda p, x: "all"),
+    ],
+    ids=["clip_by_norm", "clip_by_global_norm-group", "quantile_clip", "clip_per_example-group"],
+)
+def test_a_rule_true_for_an_integer_param_leaves_it_out_in_init_as_in_update(make):
+    # The gradient of an integer param is float0, which update leaves out whatever the rule
+    # says; init, on the param itself, raised "the leaf at 'count' has dtype int32 and is
+    # selected" for exclude_names("bias") or any rule true there (need_clip=None did not).
+    params = {"w": jnp.ones(2), "bias": jnp.ones(2), "count": jnp.array(0, jnp.int32)}
+    state = make(jaxclip.exclude_names("bias")).init(params)
+    assert not any("count" in key for key in jaxclip.clip_stats(state))
+    make(lambda path, leaf: True).init(params)
+
+
+def test_an_integer_param_left_out_in_init_matches_its_float0_gradient():
+    params = {"w": jnp.ones(2), "count": jnp.array(0, jnp.int32)}
+    grads = jax.grad(lambda p: jnp.sum(p["w"]) * 3.0, allow_int=True)(params)
+    tx = jaxclip.clip_by_norm(1.0, need_clip=lambda path, leaf: True)
+    out, state = tx.update(grads, tx.init(params))  # the states' entries agree
+    np.testing.assert_allclose(out["w"], np.full(2, 0.5**0.5), rtol=1e-6)
+    assert isinstance(state.norms["count"], optax.MaskedNode)
+
+
 def test_need_clip_selecting_by_path_keeps_states_equal():
     params = {"enc": jnp.ones(2, jnp.float32), "dec": jnp.ones(3, jnp.float32)}
     grads = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
