@@ -127,13 +127,17 @@ class Selector:
         return self.description
 
 
-def check_unmatched(rule: Selector, paths: Sequence[str]) -> None:
+def check_unmatched(
+    rule: Selector, paths: Sequence[str], absent: Callable[[], Sequence[str]] = lambda: ()
+) -> None:
     """A ValueError for the first name or path pattern of ``rule`` that matches none of
-    ``paths`` (the tree's leaves); a tree without leaves has nothing to check."""
+    ``paths`` (the tree's leaves) nor ``absent()`` (the paths of its None and
+    ``optax.MaskedNode`` entries: a frozen or ``optax.masked``-out parameter is there, only
+    without a gradient); a tree without leaves has nothing to check."""
     if not paths:
         return
     for pattern in rule.patterns:
-        if any(pattern.test(p) for p in paths):
+        if any(pattern.test(p) for p in paths) or any(pattern.test(p) for p in absent()):
             continue
         what = "name" if "name" in pattern.helper else "path pattern"
         shown = ", ".join(repr(p) for p in paths[:6]) + (", ..." if len(paths) > 6 else "")

@@ -409,7 +409,7 @@ def select(
                 )
             wanted.append(bool(w))
         if isinstance(need_clip, Selector):
-            check_unmatched(need_clip, paths)
+            check_unmatched(need_clip, paths, lambda: _absent_paths(tree))
     else:
         wanted = _mask_entries(need_clip, tree, gpaths)
 
@@ -434,6 +434,14 @@ def select(
             )
         selected.append(bool(w))
     return Selection(treedef, leaves, paths, tuple(selected), views, _unwrapped(tree, treedef))
+
+
+def _absent_paths(tree: PyTree) -> list[str]:
+    """The paths of the None and ``optax.MaskedNode`` entries of ``tree``: parameters with
+    no gradient (frozen, or masked out by ``optax.masked``)."""
+    is_absent = lambda x: x is None or isinstance(x, optax.MaskedNode)  # noqa: E731
+    keys, leaves, _ = flatten_with_paths(tree, is_leaf=is_absent)
+    return [path_str(k) for k, x in zip(keys, leaves) if is_absent(x)]
 
 
 def _unwrapped(tree: PyTree, treedef: Any) -> Any:

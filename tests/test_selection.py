@@ -393,6 +393,21 @@ def test_unmatched_is_checked_in_transformations_and_per_example_too():
         jaxclip.clip_tree_per_example(batch, 1.0, need_clip=jaxclip.by_name("emb"))
 
 
+def test_a_pattern_matching_a_frozen_or_masked_parameter_is_matched():
+    # The bias is in the tree, without a gradient: None (frozen, eqx.filter) or
+    # optax.MaskedNode (optax.masked hands the inner transform those). Was "the name 'bias'
+    # of exclude_names(...) matches no leaf ... Check its spelling".
+    rule = jaxclip.exclude_names("bias")
+    for absent in (None, optax.MaskedNode()):
+        grads = {"l1": {"w": SMALL["l1"]["w"], "bias": absent}}
+        np.testing.assert_allclose(jaxclip.global_norm(grads, need_clip=rule), 4.0)
+    tx = optax.masked(jaxclip.clip_by_norm(1.0, need_clip=rule), {"l1": {"w": True, "bias": False}})
+    updates, _ = tx.update(SMALL, tx.init(SMALL))
+    np.testing.assert_allclose(updates["l1"]["w"], np.full((2, 2), 0.5))
+    with pytest.raises(ValueError, match="'biases' of exclude_names"):  # a typo still is one
+        jaxclip.global_norm(grads, need_clip=jaxclip.exclude_names("biases"))
+
+
 def test_a_matched_pattern_is_not_an_error_when_the_rule_selects_nothing():
     # "bias" matches a leaf; the rule then selects nothing, which is a valid selection.
     rule = jaxclip.by_name("bias") & jaxclip.min_rank(2)
