@@ -626,7 +626,9 @@ def standard_clip(
     As :func:`quantile_clip`, with the threshold ``deviations * std`` of the last
     ``history_length`` recorded norms (``torch.std``: Bessel's ``n - 1``). Note that the
     reference's threshold is ``deviations * std``, not ``mean + deviations * std``; it is
-    followed here. Deliberate differences from the reference: with a single recorded norm
+    followed here, so that where every recorded norm is equal (constant gradients) the
+    threshold is 0 and the update is zeroed, as the reference's is. Deliberate differences
+    from the reference: with a single recorded norm
     the reference's ``std`` is NaN and so is its second step; here a step is not clipped
     until two norms are recorded; non-finite norms are not recorded; no ``+ 1e-6`` in the
     scale.

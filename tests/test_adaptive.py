@@ -730,3 +730,19 @@ def test_eager_update_from_a_state_restored_as_numpy(make, field):
     out, state = tx.update(_grads(5.0), state)  # the first step: recorded, not clipped
     chex.assert_trees_all_equal(out, _grads(5.0))
     np.testing.assert_allclose(getattr(state, field)[0], 5.0, rtol=1e-6)
+
+
+def test_standard_clip_of_constant_norms_zeroes_the_update_as_the_reference():
+    # autoclip's StandardClip clips at deviations * std of the recorded norms (not mean +
+    # deviations * std): equal norms give std 0, a threshold of 0 and a zero update, as
+    # torch's clip_grad_norm_(max_norm=0) does there (the docstring says so).
+    tx = jaxclip.standard_clip(2.0, global_threshold=True)
+    state = tx.init(jnp.zeros(2))
+    update = jax.jit(tx.update)
+    outs = []
+    for _ in range(3):
+        out, state = update(jnp.array([3.0, 4.0]), state)
+        outs.append(np.asarray(out))
+    np.testing.assert_array_equal(outs[:2], [[3.0, 4.0], [3.0, 4.0]])  # two norms first
+    np.testing.assert_array_equal(outs[2], [0.0, 0.0])
+    assert float(state.threshold) == 0.0
