@@ -292,12 +292,14 @@ def check_callable(value: Any, name: str, fn: str, signature: str) -> None:
         )
 
 
-def static_int(value: Any, name: str, fn: str) -> int:
-    """A buffer size: a Python int >= 1 (not traced; it fixes the state's shape)."""
+def static_int(value: Any, name: str, fn: str, sizes: str = "the state") -> int:
+    """A buffer size: a Python int >= 1 (not traced; it fixes the shape of ``sizes``: a
+    transform's state, which ``optax.inject_hyperparams`` would otherwise trace)."""
+    state = sizes == "the state"
     if _is_traced(value):
         raise ValueError(
             f"jaxclip.{fn}: {name}={_show(value)} is traced; it must be a Python int >= 1 "
-            f"(it sizes the state). {static_hint(name, fn)}."
+            f"(it sizes {sizes})." + (f" {static_hint(name, fn)}." if state else "")
         )
     if isinstance(value, (bool, np.bool_)):
         n = None
@@ -309,8 +311,8 @@ def static_int(value: Any, name: str, fn: str) -> int:
     if n is None or n < 1:
         # The wrong type (a float, a string) is a TypeError, as in autoclip's own checks.
         raise (TypeError if n is None else ValueError)(
-            f"jaxclip.{fn}: {name}={value!r} must be a Python int >= 1 (it sizes the state); "
-            f"with optax.inject_hyperparams pass static_args=({name!r},)."
+            f"jaxclip.{fn}: {name}={value!r} must be a Python int >= 1 (it sizes {sizes})"
+            + (f"; with optax.inject_hyperparams pass static_args=({name!r},)." if state else ".")
         )
     return n
 
@@ -598,13 +600,13 @@ def check_seed(seed: Any, fn: str) -> None:
 MAX_SIZE = 2**31 - 1
 
 
-def static_size(value: Any, name: str, fn: str) -> int:
+def static_size(value: Any, name: str, fn: str, sizes: str = "the state") -> int:
     """:func:`static_int`, at most :data:`MAX_SIZE`."""
-    n = static_int(value, name, fn)
+    n = static_int(value, name, fn, sizes)
     if n > MAX_SIZE:
         raise ValueError(
-            f"jaxclip.{fn}: {name}={n} is too large (it sizes the state, one float32 per "
-            f"entry); pass an int from 1 to 2**31 - 1."
+            f"jaxclip.{fn}: {name}={n} is too large (it sizes {sizes}); pass an int from 1 "
+            f"to 2**31 - 1."
         )
     return n
 

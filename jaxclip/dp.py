@@ -197,7 +197,7 @@ def clipped_grad(
     _checks.check_need_clip(need_clip, fn)
     size = None
     if microbatch_size is not None:
-        size = _checks.static_size(microbatch_size, "microbatch_size", fn)
+        size = _checks.static_size(microbatch_size, "microbatch_size", fn, "each microbatch")
     batch_names = None if batch_axis_name is None else _axis_names(batch_axis_name, fn)
     grad_nums = _argnums(argnums, "argnums", fn)
     batch_nums = _argnums(batch_argnums, "batch_argnums", fn)
