@@ -573,3 +573,15 @@ def test_a_tree_of_split_and_whole_leaves_on_an_explicit_mesh(scale):
         want = np.tensordot(f, v.astype(np.float64), 1)
         got = np.asarray(out[k], np.float64)
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+
+
+def test_averaged_gradient_error_spells_the_per_example_shape():
+    tx = jaxclip.clip_per_example(1.0)
+    for params, want in (
+        ({"s": jnp.float32(2.0)}, "(batch,)"),
+        ({"w": jnp.ones((3, 2))}, "(batch, 3, 2)"),
+    ):
+        with pytest.raises(ValueError, match="averaged gradient") as err:
+            tx.update(params, tx.init(params), params)
+        assert f"per-example gradients have shape {want}." in str(err.value)
+        assert f"update at '{next(iter(params))}'" in str(err.value)
