@@ -713,6 +713,29 @@ def test_adaptive_clip_float64_param_norm_past_float32_under_x64(other):
             np.testing.assert_array_equal(out["b"], grads["b"])
 
 
+@pytest.mark.parametrize("jac", [jax.jacfwd, jax.jacrev])
+def test_adaptive_clip_derivatives_float64_param_norm_past_float32_under_x64(jac):
+    # The param norm (1.4e40, 2**133) past float32's range beside float32 gradients: the
+    # clipped values were right, but the derivatives NaN (jacfwd both, jacrev in the
+    # gradients): the whole exponent moved to exp, so x / n overflowed float32 and the
+    # limit's tangent underflowed. Against d(g * c ||p|| / ||g||) in float64.
+    with jax.enable_x64(True):
+        p = np.array([1e40, -1e40, 2e39, 0.0])
+        g = np.array([5e37, 1e37, -5e37, 2e37], np.float32)
+        c = 1e-3
+        jg, jp = jax.jit(jac(jaxclip.clip_tree_adaptive, argnums=(0, 1)), static_argnums=2)(
+            jnp.asarray(g), jnp.asarray(p), c
+        )
+    g64 = g.astype(np.float64)
+    gn, pn = np.linalg.norm(g64 / 1e37) * 1e37, np.linalg.norm(p / 1e40) * 1e40
+    u = g64 / gn
+    assert c * pn < gn  # clipped
+    want_g = (c * pn / gn) * (np.eye(4) - np.outer(u, u))
+    want_p = np.outer(c * u, p / pn)
+    np.testing.assert_allclose(np.asarray(jg, np.float64), want_g, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(jp, np.float64), want_p, rtol=1e-5, atol=1e-9)
+
+
 @pytest.mark.parametrize(
     "make, field",
     [

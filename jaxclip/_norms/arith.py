@@ -179,8 +179,15 @@ def narrow_norm(n: Norm, dtype: Any) -> Norm:
     dtype = np.dtype(dtype)
     if np.dtype(n.frac.dtype).itemsize <= dtype.itemsize:
         return Norm(n.frac.astype(dtype), n.exp.astype(dtype))
-    f, e = frexp(n.frac)
-    return Norm(f.astype(dtype), (n.exp + e).astype(dtype))
+    # Only the exponent past half of dtype's range moves to ``exp``: the frac keeps the
+    # rest, so that a limit formed from it (``clipping * frac``) and the tangents, which
+    # scale by ``2**exp`` both ways, stay inside dtype's range (moving all of it, a float64
+    # norm of 5e39 had derivatives NaN: 2**133 over float32's range). The frac is scaled
+    # by a stopped exponent: frexp's bit operations carry no tangent.
+    half = np.finfo(dtype).maxexp // 2
+    e = frexp(lax.stop_gradient(n.frac))[1]
+    e = e - jnp.clip(e, -half, half)
+    return Norm(ldexp(n.frac, -e).astype(dtype), (n.exp + e).astype(dtype))
 
 
 def where_norm(pred: Array, a: Norm, b: Norm) -> Norm:
