@@ -436,6 +436,14 @@ def select(
     return Selection(treedef, leaves, paths, tuple(selected), views, _unwrapped(tree, treedef))
 
 
+def _self_equal(label: Any) -> bool:
+    """Whether ``label`` equals itself, part by part: a tuple compares its items by
+    identity first, so ``("g", nan)`` equals itself but not the next leaf's."""
+    if isinstance(label, tuple):
+        return all(_self_equal(v) for v in label)
+    return bool(label == label)
+
+
 def _absent_paths(tree: PyTree) -> list[str]:
     """The paths of the None and ``optax.MaskedNode`` entries of ``tree``: parameters with
     no gradient (frozen, or masked out by ``optax.masked``)."""
@@ -475,7 +483,7 @@ def group_labels(
                 f"jaxclip: group({path!r}, leaf) returned {label!r}, which is not hashable; "
                 "return a str or int label (a tuple for a composite one)."
             ) from None
-        if not label == label:  # NaN: each leaf would be a group of its own, never found
+        if not _self_equal(label):  # NaN: each leaf a group of its own, never found
             raise TypeError(
                 f"jaxclip: group({path!r}, leaf) returned {label!r}, which is not equal to "
                 "itself, so it cannot name a group; return a str or int label."

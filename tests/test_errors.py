@@ -199,6 +199,12 @@ def test_skip_large_updates_refuses_an_optimizer_factory():
             lambda path, leaf: float("nan"),
             r"group\('bias', leaf\) returned nan, which is not equal",
         ),
+        # A composite label holding NaN: a new tuple per leaf, no two equal (each leaf a
+        # group of its own, clipped alone, silently).
+        (
+            lambda path, leaf: ("g", float("nan")),
+            r"group\('bias', leaf\) returned \('g', nan\), which is not equal",
+        ),
     ],
 )
 def test_group_labels_that_cannot_key_a_state_name_the_leaves(group, match):
