@@ -368,7 +368,8 @@ def value_bounds(max_value: Any, min_value: Any, fn: str = "clip_by_value") -> t
             "broadcast against each other; pass bounds of broadcastable shapes."
         ) from e
     for v, name, given in ((vmin, "min", min_value), (vmax, "max", max_value)):
-        if v is not None and np.issubdtype(v.dtype, np.floating) and np.isnan(v).any():
+        # jnp.issubdtype: ml_dtypes' bfloat16 and float8 are not NumPy floating subtypes.
+        if v is not None and jnp.issubdtype(v.dtype, jnp.floating) and np.isnan(v).any():
             nan = np.asarray(~np.isnan(v))
             raise ValueError(
                 f"jaxclip.{fn}: {name}={_show(given)} is NaN{_first_bad(nan)}; pass a real "

@@ -893,6 +893,9 @@ def test_tf_clip_by_value_tensor_bounds():
     # A NaN bound is named as NaN, not as min > max ("got min=nan > max=1.0").
     with pytest.raises(ValueError, match="min=nan is NaN"):
         jaxclip.clip_tree_by_value(x, 1.0, math.nan)
+    # Also a bfloat16 bound (ml_dtypes' bfloat16 is not a NumPy floating subtype).
+    with pytest.raises(ValueError, match="is NaN"):
+        jaxclip.clip_tree_by_value(x, jnp.array(math.nan, jnp.bfloat16), -1.0)
 
 
 def test_clip_by_value_bound_past_the_dtype_range_warns_nothing():
