@@ -97,9 +97,9 @@ def test_norm_value_and_from_root():
 
 
 def test_narrow_norm_keeps_the_value_and_a_norm_of_its_dtype_as_it_is():
-    same = arith.Norm(jnp.float32(3.0), jnp.float32(0.0))
-    got = arith.narrow_norm(same, np.float32)
-    assert (float(got.frac), float(got.exp)) == (3.0, 0.0)  # canonical: exp 0 stays 0
+    for v in (3.0, 3e38, 1e-30):  # canonical: a normal value keeps exp 0, as it is
+        got = arith.narrow_norm(arith.Norm(jnp.float32(v), jnp.float32(0.0)), np.float32)
+        assert (float(got.frac), float(got.exp)) == (float(np.float32(v)), 0.0), v
     with jax.enable_x64(True):
         for v, e in ((6e38, 0.0), (3.0, 0.0), (1e-300, 0.0), (0.0, 0.0), (np.inf, 0.0), (5.0, 7.0)):
             n = arith.narrow_norm(arith.Norm(jnp.float64(v), jnp.float64(e)), np.float32)
