@@ -341,6 +341,18 @@ def _first_bad(ok: np.ndarray) -> str:
     return f" (first at index {tuple(int(i) for i in np.argwhere(~ok)[0])})"
 
 
+def _refuse_nan(v: Any, name: str, given: Any, fn: str) -> None:
+    """A concrete bound holding NaN is an error that says so (a comparison would report it
+    as out of order, or warn)."""
+    # jnp.issubdtype: ml_dtypes' bfloat16 and float8 are not NumPy floating subtypes.
+    if v is not None and jnp.issubdtype(v.dtype, jnp.floating) and np.isnan(v).any():
+        nan = np.asarray(~np.isnan(v))
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={_show(given)} is NaN{_first_bad(nan)}; pass a real "
+            "bound (-inf or inf for none)."
+        )
+
+
 def value_bounds(max_value: Any, min_value: Any, fn: str = "clip_by_value") -> tuple[Any, Any]:
     """``(lo, hi)`` for value clipping, checked elementwise where concrete.
 
@@ -349,6 +361,7 @@ def value_bounds(max_value: Any, min_value: Any, fn: str = "clip_by_value") -> t
     ``[-max, max]`` and ``max`` must be > 0 everywhere; else ``min <= max`` everywhere.
     """
     hi, vmax = _as_bound(max_value, "max", fn)
+    _refuse_nan(vmax, "max", max_value, fn)
     if min_value is None:
         if vmax is not None:
             ok = np.asarray(vmax > 0)
@@ -367,14 +380,7 @@ def value_bounds(max_value: Any, min_value: Any, fn: str = "clip_by_value") -> t
             f"jaxclip.{fn}: min of shape {np.shape(lo)} and max of shape {np.shape(hi)} do not "
             "broadcast against each other; pass bounds of broadcastable shapes."
         ) from e
-    for v, name, given in ((vmin, "min", min_value), (vmax, "max", max_value)):
-        # jnp.issubdtype: ml_dtypes' bfloat16 and float8 are not NumPy floating subtypes.
-        if v is not None and jnp.issubdtype(v.dtype, jnp.floating) and np.isnan(v).any():
-            nan = np.asarray(~np.isnan(v))
-            raise ValueError(
-                f"jaxclip.{fn}: {name}={_show(given)} is NaN{_first_bad(nan)}; pass a real "
-                "bound (-inf or inf for none)."
-            )
+    _refuse_nan(vmin, "min", min_value, fn)
     if vmax is not None and vmin is not None:
         ok = np.asarray(vmin <= vmax)
         if not ok.all():  # also catches NaN

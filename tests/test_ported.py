@@ -896,6 +896,9 @@ def test_tf_clip_by_value_tensor_bounds():
     # Also a bfloat16 bound (ml_dtypes' bfloat16 is not a NumPy floating subtype).
     with pytest.raises(ValueError, match="is NaN"):
         jaxclip.clip_tree_by_value(x, jnp.array(math.nan, jnp.bfloat16), -1.0)
+    # And a NaN max with min=None (the range [-max, max]), not "max must be > 0".
+    with pytest.raises(ValueError, match=r"max=nan is NaN"):
+        jaxclip.clip_tree_by_value(x, math.nan)
 
 
 def test_clip_by_value_bound_past_the_dtype_range_warns_nothing():

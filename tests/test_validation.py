@@ -388,7 +388,7 @@ def test_traced_array_bounds_are_not_checked():
     "hi, lo, match",
     [
         (jnp.array([1.0, 0.0, 3.0]), None, r"max must be > 0 everywhere \(first at index \(1,\)\)"),
-        (np.array([1.0, NAN]), None, r"max must be > 0 everywhere \(first at index \(1,\)\)"),
+        (np.array([1.0, NAN]), None, r"max=.* is NaN \(first at index \(1,\)\)"),
         (
             jnp.array([1.0, 0.4, 3.0]),
             jnp.array([-1.0, 0.5, -3.0]),
