@@ -8,7 +8,7 @@ differentiates the clipping of many arrays at once, with each part well scaled.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -112,7 +112,7 @@ def apply_factor(x: Array, factor: Factor) -> Array:
 def operand(v: Array, like: Array) -> Array:
     """``v`` as an operand of an elementwise ``lax`` op on ``like``: one value as a scalar,
     which ``lax`` broadcasts itself (no broadcast traced per leaf), else :func:`spread`."""
-    if v.size == 1 and v.ndim <= like.ndim:
+    if v.size == 1:
         return v if v.ndim == 0 else lax.reshape(v, ())
     return spread(v, like)
 
@@ -133,18 +133,21 @@ def narrowed(y: Array, dtype: Any) -> Array:
     def plain(y: Array) -> Array:
         return lax.convert_element_type(y, dtype)
 
+    def toward_zero(down: Callable[[Array], Array]) -> Callable[[Array], Array]:
+        """``plain``, with ``down(y)`` where ``y`` is subnormal in ``dtype``."""
+        return lambda y: plain(lax.select(lax.lt(lax.abs(y), tiny), down(y), y))
+
     def bits_down(y: Array) -> Array:  # bfloat16: truncating float32's bits
         bits = lax.bitcast_convert_type(y, np.int32)
-        down = lax.bitcast_convert_type(lax.bitwise_and(bits, np.int32(-65536)), y.dtype)
-        return plain(lax.select(lax.lt(lax.abs(y), tiny), down, y))
+        return lax.bitcast_convert_type(lax.bitwise_and(bits, np.int32(-65536)), y.dtype)
+
+    def steps_down(y: Array) -> Array:  # a whole number of steps, exactly (powers of two)
+        steps = jnp.trunc(lax.mul(y, jnp.asarray(1 / step, y.dtype)))
+        return lax.mul(steps, jnp.asarray(step, y.dtype))
 
     if np.log2(step) < np.finfo(y.dtype).minexp:  # bfloat16: y's own subnormals
-        return unless_flushed(y, bits_down, plain)
-    # float16, float8: a whole number of steps, exactly (the steps are powers of two).
-    down = lax.mul(
-        jnp.trunc(lax.mul(y, jnp.asarray(1 / step, y.dtype))), jnp.asarray(step, y.dtype)
-    )
-    return plain(lax.select(lax.lt(lax.abs(y), tiny), down, y))
+        return unless_flushed(y, toward_zero(bits_down), plain)
+    return toward_zero(steps_down)(y)  # float16, float8
 
 
 @jax.custom_jvp
