@@ -136,8 +136,12 @@ def check_unmatched(
     without a gradient); a tree without leaves has nothing to check."""
     if not paths:
         return
+    others: Sequence[str] | None = None  # absent(), read once and only if needed
     for pattern in rule.patterns:
-        if any(pattern.test(p) for p in paths) or any(pattern.test(p) for p in absent()):
+        if any(pattern.test(p) for p in paths):
+            continue
+        others = absent() if others is None else others
+        if any(pattern.test(p) for p in others):
             continue
         what = "name" if "name" in pattern.helper else "path pattern"
         shown = ", ".join(repr(p) for p in paths[:6]) + (", ..." if len(paths) > 6 else "")
