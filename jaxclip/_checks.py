@@ -365,7 +365,7 @@ def value_bounds(max_value: Any, min_value: Any, fn: str = "clip_by_value") -> t
     if min_value is None:
         if vmax is not None:
             ok = np.asarray(vmax > 0)
-            if not ok.all():  # also catches NaN
+            if not ok.all():
                 raise ValueError(
                     f"jaxclip.{fn}(max={_show(max_value)}) with min=None clips into [-max, max], "
                     f"so max must be > 0{' everywhere' if ok.ndim else ''}{_first_bad(ok)}; pass "
@@ -383,7 +383,7 @@ def value_bounds(max_value: Any, min_value: Any, fn: str = "clip_by_value") -> t
     _refuse_nan(vmin, "min", min_value, fn)
     if vmax is not None and vmin is not None:
         ok = np.asarray(vmin <= vmax)
-        if not ok.all():  # also catches NaN
+        if not ok.all():
             where = " elementwise" if ok.ndim else ""
             raise ValueError(
                 f"jaxclip.{fn} got min={_show(min_value)} > max={_show(max_value)}"

@@ -810,11 +810,11 @@ def check_against_params(updates: PyTree, params: Any, fn: str) -> None:
             continue
         if tuple(u.shape[1:]) != tuple(p.shape) or len(u.shape) != len(p.shape) + 1:
             where = _tree.shown(_tree.path_str(path))
-            want = "(" + ", ".join(map(str, ("batch", *p.shape))) + ("," if not p.shape else "")
+            want = ", ".join(map(str, ("batch", *p.shape))) + ("," if not p.shape else "")
             raise ValueError(
                 f"jaxclip.{fn}: the update at {where} has shape {tuple(u.shape)}, but its "
                 f"param has shape {tuple(p.shape)}: per-example gradients have shape "
-                f"{want}). Compute them with "
+                f"({want}). Compute them with "
                 "jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, batch), not an "
                 "averaged gradient."
             )
