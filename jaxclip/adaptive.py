@@ -215,28 +215,7 @@ def _agc(
     """Each unit of ``gs`` clipped to ``clipping * max(||unit of ps||, eps)`` (one compiled
     call, so an eager update costs one dispatch)."""
     kw = {"axis_name": axis_name, "paths": paths}
-    out = _norms.clip_slices_relative(gs, ps, axes, clipping, eps, **kw)
-    if out is not None:
-        return out
-    g_norms = _norms.slice_norms(gs, 2.0, axes, **kw)
-    p_norms = _norms.slice_norms(ps, 2.0, axes, **kw)
-
-    def limit(gf: Array, ge: Array, pf: Array, pe: Array) -> tuple[Array, Array, Array]:
-        n, lim = _norms.relative_limit(_norms.Norm(gf, ge), _norms.Norm(pf, pe), clipping, eps)
-        return n.frac, n.exp, lim
-
-    # All leaves' limits as one set of kernels (per-leaf scalar maths would be traced and
-    # compiled once per leaf), in the dtype of the gradients' norms.
-    refs = [_norms.narrow_norm(n, g.frac.dtype) for n, g in zip(p_norms, g_norms)]
-    parts = _norms.stacked(
-        limit,
-        [g.frac for g in g_norms],
-        [g.exp for g in g_norms],
-        [n.frac for n in refs],
-        [n.exp for n in refs],
-    )
-    norms = [_norms.Norm(f, e) for f, e, _ in parts]
-    return _norms.clip_each(gs, norms, [lim for _, _, lim in parts])
+    return _norms.clip_slices_relative(gs, ps, axes, clipping, eps, **kw)
 
 
 class AutoClipState(NamedTuple):

@@ -111,7 +111,7 @@ def test_adaptive_clip_where_the_param_norm_overflows_float32(dtype, param_dtype
         "w": rng.uniform(1e38, 3e38, size=(16, 3)),
     }
     params = {k: jnp.asarray(v.astype(np.float32), param_dtype) for k, v in params.items()}
-    grads = jax.tree.map(lambda p: (p * 0.5).astype(dtype), params)  # mixed: per-leaf path
+    grads = jax.tree.map(lambda p: (p * 0.5).astype(dtype), params)
     grads["w"] = grads["w"].at[:, 1].set(1.0)  # a unit within its limit: kept
     tx = jaxclip.adaptive_clip(0.01)
     eps = float(jnp.finfo(dtype).eps)
@@ -122,6 +122,41 @@ def test_adaptive_clip_where_the_param_norm_overflows_float32(dtype, param_dtype
             np.testing.assert_allclose(
                 np.asarray(out[k], np.float64), want, rtol=2 * eps, atol=0, err_msg=k
             )
+
+
+@pytest.mark.parametrize(
+    "dtype, param_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)]
+)
+def test_adaptive_clip_of_16_bit_gradients_of_32_bit_params(dtype, param_dtype):
+    # Mixed precision: leaves that bucket in one width and not the other (a 16385-element
+    # vector), 16-bit params among 32-bit ones, rows of slices, a conv kernel. Both trees
+    # are laid out in the units they share; each unit clipped as in float64.
+    rng = np.random.default_rng(7)
+    shapes = {
+        "a": (3, 5),
+        "big": (16385,),
+        "b": (4, 4),
+        "c": (16,),
+        "w": (6, 16),
+        "conv": (3, 3, 4, 8),
+    }
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    grads = {
+        k: (rng.normal(size=s) * rng.choice([0.01, 1.0], size=s[-1:])).astype(np.float32)
+        for k, s in shapes.items()
+    }
+    params = {
+        k: jnp.asarray(v, jnp.bfloat16 if k == "c" else param_dtype) for k, v in params.items()
+    }
+    grads = {k: jnp.asarray(v, dtype) for k, v in grads.items()}
+    fn = jax.jit(lambda g, p: jaxclip.clip_tree_adaptive(g, p, 0.05))
+    out = fn(grads, params)
+    eps = float(jnp.finfo(dtype).eps)
+    for k in shapes:
+        want = _agc_reference(grads[k], params[k], 0.05, 1e-3)
+        assert out[k].dtype == dtype
+        np.testing.assert_allclose(ref.f64(out[k]), want, rtol=2 * eps, atol=0, err_msg=k)
+        assert not np.array_equal(want, ref.f64(grads[k])), k  # every leaf has a clipped unit
 
 
 def test_adaptive_clip_needs_params_and_axes_override():
@@ -698,7 +733,7 @@ def test_standard_clip_threshold_at_the_top_of_float32(norms):
             np.testing.assert_allclose(float(out[0]), expect, rtol=1e-6)
 
 
-@pytest.mark.parametrize("other", [jnp.float32, jnp.bfloat16])  # stacked; per-leaf path
+@pytest.mark.parametrize("other", [jnp.float32, jnp.bfloat16])
 def test_adaptive_clip_float64_param_norm_past_float32_under_x64(other):
     # float64 params beside float32 gradients: the param norm (6e38) is held in the
     # gradients' float32 with its exponent apart, not cast to inf (which left the unit

@@ -370,18 +370,6 @@ def test_clip_factor_is_c_over_n_rounded_once():
     assert bool(clip.clip_factor(jnp.float32(0.0), 0.0).keep)
 
 
-def test_clip_each_per_slice_and_per_array():
-    x = jnp.asarray(ROWS[:4, :8])
-    norms = _norms.slice_norms([x, x], 2.0, ((1,), (0,)))
-    out = clip.clip_each([x, x], norms, [1.0, jnp.full((1, 8), 2.0)])
-    np.testing.assert_allclose(
-        ref.f64(out[0]), ref.clip_each(ROWS[:4, :8], 1.0, 2.0, (1,)), rtol=2e-7
-    )
-    np.testing.assert_allclose(
-        ref.f64(out[1]), ref.clip_each(ROWS[:4, :8], 2.0, 2.0, (0,)), rtol=2e-7
-    )
-
-
 # ----------------------------------------------------------------------------------------
 # Floors: small slices need no exact norm for clipping.
 

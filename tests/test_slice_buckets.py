@@ -106,6 +106,35 @@ def test_plan_buckets_small_leaves_by_slice_length():
     assert all(u.width == units.ALONE for u in units.plan(leaves, axes, [()] * 11, False, True))
 
 
+def test_plan_with_a_partner_lays_both_trees_out_alike():
+    # AGC's bfloat16 gradients of float32 params (and float16 ones of bfloat16): planned
+    # with its partner, each tree gets the units the other gets. A leaf buckets only where
+    # both dtypes' copies are small, and only with leaves whose partners share a dtype.
+    n = units.BUCKET_MAX_BYTES // 4 + 1  # fits in a bucket in 16 bits, not in 32
+    shapes = [(3, 5), (n,), (4, 4), (16,), (6, 16), (2, 16), (9,)]
+    grads = [jnp.ones(s, jnp.bfloat16) for s in shapes]
+    grads[6] = jnp.ones(shapes[6], jnp.float16)
+    params = [jnp.ones(s, jnp.float32) for s in shapes]
+    params[3] = jnp.ones(shapes[3], jnp.bfloat16)  # a bfloat16 param among float32 ones
+    params[6] = jnp.ones(shapes[6], jnp.bfloat16)
+    axes = [None, None, None, None, (1,), (1,), None]
+    none = [()] * len(shapes)
+    mine = units.plan(grads, axes, none, True, True, partner=(params, none))
+    theirs = units.plan(params, axes, none, True, True, partner=(grads, none))
+    assert mine == theirs
+    assert {u.members: u.width for u in mine} == {
+        (1,): units.ALONE,  # 8 KiB past the bucket in float32
+        (0, 2): 16,  # bfloat16 beside float32 params
+        (3,): 16,  # bfloat16 beside a bfloat16 param: a bucket of its own
+        (4, 5): units.SLICES,
+        (6,): 16,
+    }
+    assert units.places(grads, axes, mine) == units.places(params, axes, theirs)
+    # Alone, the gradients bucket the large leaf, and leaf 3 with leaves 0 and 2.
+    alone = {u.members: u.width for u in units.plan(grads, axes, none, True, True)}
+    assert alone[(1,)] == 1 << n.bit_length() and alone[(0, 2, 3)] == 16
+
+
 @pytest.mark.parametrize("p", [2.0, 3.0, math.inf])
 @pytest.mark.parametrize("axes", [-1, 0])
 def test_bucketed_slices_are_exact(axes, p):

@@ -36,7 +36,6 @@ from jaxclip._norms.arith import Norm as Norm
 from jaxclip._norms.arith import acc_dtype as acc_dtype
 from jaxclip._norms.arith import as_norm as as_norm
 from jaxclip._norms.arith import frexp as frexp
-from jaxclip._norms.arith import narrow_norm as narrow_norm
 from jaxclip._norms.arith import pow2 as pow2
 from jaxclip._norms.arith import result_dtype as result_dtype
 from jaxclip._norms.backend import Axes as Axes
@@ -44,7 +43,6 @@ from jaxclip._norms.backend import carry as carry
 from jaxclip._norms.backend import max_keeping_nan as max_keeping_nan
 from jaxclip._norms.clip import Factor as Factor
 from jaxclip._norms.clip import apply_factors as apply_factors
-from jaxclip._norms.clip import clip_each as clip_each
 from jaxclip._norms.clip import clip_factor as clip_factor
 from jaxclip._norms.clip import clip_joint as clip_joint
 from jaxclip._norms.clip import spread as spread
@@ -67,6 +65,4 @@ from jaxclip._norms.joint import per_example_norm_parts as per_example_norm_part
 from jaxclip._norms.leafwise import clip_leaves as clip_leaves
 from jaxclip._norms.leafwise import clip_slices as clip_slices
 from jaxclip._norms.leafwise import clip_slices_relative as clip_slices_relative
-from jaxclip._norms.leafwise import relative_limit as relative_limit
 from jaxclip._norms.leafwise import slice_norms as slice_norms
-from jaxclip._norms.stacking import stacked as stacked

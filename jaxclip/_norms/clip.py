@@ -19,7 +19,7 @@ from jax import lax
 from jaxclip._norms.arith import Norm, acc_dtype, as_norm, frexp, ldexp, pow2
 from jaxclip._norms.backend import quotient_first, unless_flushed
 from jaxclip._norms.rules import over_norm
-from jaxclip._norms.stacking import every, stacked
+from jaxclip._norms.stacking import every
 
 Array = jax.Array
 
@@ -244,22 +244,3 @@ def clip_joint(xs: Sequence[Array], norm: Norm | Array, clip_norm: Any) -> list[
     c = as_acc(clip_norm, norm)
     n = len(xs)
     return apply_factors(xs, [factor] * n, [norm] * n, [c] * n)
-
-
-@jax.jit
-def clip_each(xs: Sequence[Array], norms: Sequence[Norm], clip_norms: Sequence[Any]) -> list[Array]:
-    """Each array of ``xs`` scaled by its own norm (per slice) to at most its clip norm
-    (one per array: a scalar or one per slice)."""
-    if not xs:
-        return []
-    cs = [
-        jnp.broadcast_to(jnp.asarray(c, n.frac.dtype), n.frac.shape)
-        for n, c in zip(norms, clip_norms)
-    ]
-    factors = stacked(
-        lambda f, e, c: clip_factor(Norm(f, e), c),
-        [n.frac for n in norms],
-        [n.exp for n in norms],
-        cs,
-    )
-    return apply_factors(xs, factors, norms, cs)

@@ -35,35 +35,43 @@ from jaxclip._norms.units import Place, Unit, build, per_leaf, places, plan
 Array = jax.Array
 
 
-def _layout(
-    leaves: Sequence[Array], axes: tuple[Axes, ...], bucket: bool, axis_name: AxisName, paths: Any
-) -> list[Unit]:
+def _combines(
+    leaves: Sequence[Array], axes: tuple[Axes, ...], axis_name: AxisName, paths: Any
+) -> list[Combine]:
     names = paths or ("",) * len(leaves)
-    combines: list[Combine] = [
+    return [
         combine_axes(x, leaf_axes(axis_name, i), a, path)
         for i, (x, a, path) in enumerate(zip(leaves, axes, names))
     ]
-    return plan(leaves, axes, combines, bucket, rows=True)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("p", "axes", "axis_name", "paths", "static_split", "bucket", "report"),
-)
+def _layout(
+    leaves: Sequence[Array],
+    axes: tuple[Axes, ...],
+    bucket: bool,
+    axis_name: AxisName,
+    paths: Any,
+    partner: Sequence[Array] | None = None,
+) -> tuple[Unit, ...]:
+    """The units of ``leaves``; with a ``partner`` tree, those both trees share (see
+    :func:`~jaxclip._norms.units.plan`)."""
+    combines = _combines(leaves, axes, axis_name, paths)
+    pair = None if partner is None else (partner, _combines(partner, axes, axis_name, paths))
+    return tuple(plan(leaves, axes, combines, bucket, rows=True, partner=pair))
+
+
+@functools.partial(jax.jit, static_argnames=("p", "axes", "layout", "static_split", "report"))
 def _layout_norms(
     leaves: Sequence[Array],
     floor: Array | None,
     p: float,
     axes: tuple[Axes, ...],
-    axis_name: AxisName,
-    paths: tuple[str, ...] | None,
+    layout: tuple[Unit, ...],
     static_split: bool,
-    bucket: bool,
     report: str,
 ) -> Any:
     """The norms of the units of ``leaves``: jitted, so that two alike trees (AGC's
     gradients and params) trace it once."""
-    layout = _layout(leaves, axes, bucket, axis_name, paths)
     if not layout:
         return [] if floor is None else ([], [])
     units, unit_axes, bucketed = build(reduction_view(leaves), axes, layout)
@@ -82,12 +90,14 @@ def _unit_norms(
     static_split: bool = False,
     floor: Array | None = None,
     report: str = "exact",
+    partner: Sequence[Array] | None = None,
 ) -> tuple[Any, list[Place]]:
     """The norms of the units, and per leaf its ``units.Place``. With a
-    ``floor``, two lists of norms (see ``slices.unit_norms_body``)."""
-    where = places(leaves, axes, _layout(leaves, axes, bucket, axis_name, paths))
-    norms = _layout_norms(leaves, floor, p, axes, axis_name, paths, static_split, bucket, report)
-    return norms, where
+    ``floor``, two lists of norms (see ``slices.unit_norms_body``); with a ``partner``,
+    in the units both trees share."""
+    layout = _layout(leaves, axes, bucket, axis_name, paths, partner)
+    norms = _layout_norms(leaves, floor, p, axes, layout, static_split, report)
+    return norms, places(leaves, axes, layout)
 
 
 @functools.partial(jax.jit, static_argnames=("p", "axes", "bucket", "axis_name", "paths"))
@@ -191,23 +201,21 @@ def clip_slices_relative(
     *,
     axis_name: AxisName = None,
     paths: tuple[str, ...] | None = None,
-) -> list[Array] | None:
+) -> list[Array]:
     """Each slice of ``leaves`` scaled to 2-norm at most ``clipping * max(n, eps)``, ``n``
     the 2-norm of the same slice of ``refs`` (AGC: the gradients against the params).
 
-    As :func:`clip_slices`, the limits and factors of all units are one set of kernels;
-    None where ``refs`` bucket otherwise than ``leaves`` (dtypes that group
-    differently), for the caller's per-leaf path.
+    As :func:`clip_slices`, the limits and factors of all units are one set of kernels:
+    both trees are laid out in the units they share, whatever their dtypes (bfloat16
+    gradients of float32 params bucket alike).
     """
     # Floors: a limit is at least clipping * eps, and a reference norm below eps counts
     # as eps, so all-zero rows of either need no second pass.
     eps_floor = jnp.min(jnp.asarray(eps))
     floor = jnp.min(clipping * eps_floor)
     args = (True, axis_name, paths, True)
-    (norms, _), where = _unit_norms(leaves, 2.0, axes, *args, floor, "none")
-    (rnorms, _), rwhere = _unit_norms(refs, 2.0, axes, *args, eps_floor, "none")
-    if where != rwhere or [n.frac.shape for n in norms] != [n.frac.shape for n in rnorms]:
-        return None
+    (norms, _), where = _unit_norms(leaves, 2.0, axes, *args, floor, "none", refs)
+    (rnorms, _), _ = _unit_norms(refs, 2.0, axes, *args, eps_floor, "none", leaves)
 
     def factors(frac: Array, exp: Array, rfrac: Array, rexp: Array) -> tuple[Array, ...]:
         norm, limit = relative_limit(Norm(frac, exp), Norm(rfrac, rexp), clipping, eps)

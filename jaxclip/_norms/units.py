@@ -67,37 +67,54 @@ def _has_zero(dtype: Any) -> bool:
     return bool(np.asarray(0, dtype) == 0)  # NaN for float8_e8m0fnu
 
 
+#: A second tree laid out with the first (AGC's params beside the gradients): its leaves
+#: (of the first's shapes) and their combines.
+Partner = tuple[Sequence[Array], Sequence[Combine]]
+
+
 def plan(
     leaves: Sequence[Array],
     axes: Sequence[Axes],
     combines: Sequence[Combine],
     bucket: bool,
     rows: bool,
+    partner: Partner | None = None,
 ) -> list[Unit]:
     """The units of ``leaves``: those alone first, in order, then the buckets. With
     ``rows`` every leaf gets a unit or a row (a norm of its own); without, the units
-    serve one joint norm, and empty leaves, which add nothing, are left out."""
+    serve one joint norm, and empty leaves, which add nothing, are left out.
+
+    With a ``partner``, a leaf is bucketed only where its partner may be too, and only
+    with leaves whose partners share a bucket as well: planned from either side, the two
+    trees get the same members, rows and places (each unit with its own combine), so
+    that their norms line up unit by unit whatever their dtypes."""
     alone: list[Unit] = []
     groups: dict[tuple[Any, ...], list[int]] = {}
+    pairs = [(x, c) for x, c in zip(leaves, combines)]
+    sides = [pairs] if partner is None else [pairs, list(zip(*partner))]
     for i, (x, a, c) in enumerate(zip(leaves, axes, combines)):
         if x.size == 0 and not rows:
             continue
         whole = a is None or len(a) == x.ndim
+        own = sorted((np.dtype(y.dtype).str, cy) for y, cy in (side[i] for side in sides))
+        ys = [side[i][0] for side in sides]
         # Bucket rows are zero-padded: not for a dtype with no zero (float8_e8m0fnu).
-        if bucket and whole and x.size and bucketable(x) and (not rows or _has_zero(x.dtype)):
+        if bucket and whole and x.size and all(_whole_bucketable(y, rows) for y in ys):
             width = 1 << (x.size - 1).bit_length() if rows else FLAT
-            groups.setdefault((np.dtype(x.dtype), width, c), []).append(i)
+            groups.setdefault((width, *own), []).append(i)
         elif (
             bucket and rows and a and not whole and _outer(x, a)
-            and x.size and bucketable(x, SLICE_BUCKET_MAX_BYTES)
+            and x.size and all(bucketable(y, SLICE_BUCKET_MAX_BYTES) for y in ys)
         ):  # fmt: skip
             # Slices of one length, whatever the leaves' shapes: one row each.
             length = math.prod(x.shape[d] for d in a)
-            groups.setdefault((np.dtype(x.dtype), SLICES, c, length, varying(x)), []).append(i)
+            spread = sorted(tuple(sorted(varying(y))) for y in ys)
+            groups.setdefault((SLICES, length, *own, *spread), []).append(i)
         else:
             alone.append(Unit((i,), ALONE, c))
     buckets = []
-    for (_, width, c, *_), members in groups.items():
+    for (width, *_), members in groups.items():
+        c = combines[members[0]]
         for at in range(0, len(members), BUCKET_MAX_LEAVES):
             part = tuple(members[at : at + BUCKET_MAX_LEAVES])
             if width == SLICES and len(part) == 1:  # a leaf's slices alone need no copy
@@ -105,6 +122,12 @@ def plan(
             else:
                 buckets.append(Unit(part, width, c))
     return alone + buckets
+
+
+def _whole_bucketable(x: Array, rows: bool) -> bool:
+    """Whether ``x`` may be a bucket's row or part (rows are zero-padded: not for a dtype
+    with no zero, float8_e8m0fnu)."""
+    return bucketable(x) and (not rows or _has_zero(x.dtype))
 
 
 def _outer(x: Array, a: tuple[int, ...]) -> bool:
