@@ -195,6 +195,25 @@ def check_clip_norm(clip_norm: Any, fn: str, name: str = "clip_norm", zero: bool
         )
 
 
+def check_norm_range(value: Any, name: str, dtype: Any, fn: str) -> None:
+    """A concrete threshold on norms of ``dtype`` (float32, or float64 for 64-bit leaves):
+    a finite one beyond that dtype's range would be cast to inf there, which silently
+    turns clipping (or skipping) off for norms above the threshold. Checked where the
+    leaves, hence the norms' dtype, are known (at trace time); traced values are not."""
+    v = concrete(value)
+    if v is None:
+        return
+    top = float(np.finfo(dtype).max)
+    mag = np.abs(np.asarray(v, np.float64))
+    if np.any(np.isfinite(mag) & (mag > top)):
+        raise ValueError(
+            f"jaxclip.{fn}: {name}={value!r} is beyond the range of {np.dtype(dtype).name} "
+            f"(largest {top:.8g}), the dtype the norms of these leaves are computed and "
+            "compared in: there it would be inf, and norms above it would not be clipped. "
+            f"Pass at most {top:.8g}, or float('inf') to turn clipping off."
+        )
+
+
 def check_use_norm(use_norm: Any, fn: str) -> None:
     """A global norm computed already: a real scalar >= 0 (NaN passes: it propagates as a
     NaN norm)."""

@@ -311,6 +311,8 @@ def _clip_tree_by_norm(
     sel = _tree.select(tree, need_clip, what="norm clipping")
     xs = [jnp.asarray(x) for x in sel.chosen]
     leaf_axes = [_checks.leaf_axes(axes_t, x, path) for x, path in zip(xs, sel.chosen_paths)]
+    for dtype in {_norms.acc_dtype(x.dtype) for x in xs}:  # each leaf's norm has its own
+        _checks.check_norm_range(clip_norm, "clip_norm", dtype, "clip_tree_by_norm")
     names = _axes.resolve(axis_name, sel, "clip_tree_by_norm")
     paths = tuple(sel.chosen_paths)
     clipped, norms = _norms.clip_slices(
@@ -393,6 +395,7 @@ def clip_tree_by_global_norm(
             group_names = _norms.leaves_axes(names, members)
             group_paths = tuple(sel.chosen_paths[i] for i in members)
             group_xs = [xs[i] for i in members]
+            _check_range(clip_norm, group_xs)
             n = _norms.global_norm_parts(group_xs, p, axis_name=group_names, paths=group_paths)
             if error_if_nonfinite:
                 _errors.raise_if_nonfinite([n.value], [f"global norm of group {label!r}"])
@@ -400,6 +403,7 @@ def clip_tree_by_global_norm(
                 clipped[i] = x
             norms[label] = n.value
         return sel.rebuild(clipped), norms
+    _check_range(clip_norm, xs)
     if use_norm is None:
         parts = _norms.global_norm_parts(xs, p, axis_name=names, paths=tuple(sel.chosen_paths))
     else:
@@ -408,6 +412,13 @@ def clip_tree_by_global_norm(
     if error_if_nonfinite:
         _errors.raise_if_nonfinite([parts.value], ["global norm"])
     return sel.rebuild(_norms.clip_joint(xs, parts, clip_norm)), parts.value
+
+
+def _check_range(clip_norm: ArrayLike, xs: list[Array]) -> None:
+    """``clip_norm`` within the range of the global norm's dtype (see check_norm_range)."""
+    if xs:
+        dtype = _norms.result_dtype(xs)
+        _checks.check_norm_range(clip_norm, "clip_norm", dtype, "clip_tree_by_global_norm")
 
 
 def _check_same_groups(

@@ -9,6 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import reference as ref
 from _helpers import ON_XLA_CPU, xla_cpu_only
@@ -699,3 +700,43 @@ def test_float32_bound_counts_the_norms_own_error(shape, axes, p):
     k = 2 if p in (1.0, 2.0) else 3
     eps = float(jnp.finfo(jnp.float32).eps)
     assert np.all(got <= (1 + k * eps) * exact / norms), (got - 1) / eps
+
+
+# A finite threshold beyond float32's range, with float32 gradients whose norm (3e39) is
+# over it: as a float32 it would read as inf and clipping would be silently off. Either
+# the exact result (each 3e38 * 1e39 / 3e39 = 1e38, float64 formula) or a ValueError that
+# names the parameter; never the unclipped update.
+_BEYOND_F32 = {
+    "clip_tree_by_global_norm": lambda g, c: jaxclip.clip_tree_by_global_norm(g, c)[0],
+    "clip_tree_by_norm": lambda g, c: jaxclip.clip_tree_by_norm(g, c)[0],
+    "clip_tree_per_example": lambda g, c: [
+        jaxclip.clip_tree_per_example([g[0][None]], c, reduce="sum")[0][0]
+    ],
+    "clip_by_global_norm": lambda g, c: jaxclip.clip_by_global_norm(c).update(g, None)[0],
+}
+
+
+@pytest.mark.parametrize("name", list(_BEYOND_F32))
+def test_finite_threshold_beyond_float32_range_is_not_silently_inf(name):
+    g = [jnp.full(100, 3e38, jnp.float32)]
+    c = 1e39
+    try:
+        out = _BEYOND_F32[name](g, c)
+    except ValueError as e:
+        assert "clip_norm=1e+39" in str(e) and "float32" in str(e), str(e)
+        return
+    want = 3e38 * c / (3e38 * math.sqrt(100))
+    np.testing.assert_allclose(ref.f64(out[0]), np.full(100, want), rtol=1e-6)
+
+
+def test_skip_threshold_beyond_float32_range_is_not_silently_inf():
+    # A step of norm 3e39 over threshold=1e39 must be skipped (or the threshold refused).
+    g = [jnp.full(100, 3e38, jnp.float32)]
+    tx = jaxclip.skip_large_updates(optax.identity(), threshold=1e39)
+    try:
+        out, state = tx.update(g, tx.init(g))
+    except ValueError as e:
+        assert "threshold=1e+39" in str(e) and "float32" in str(e), str(e)
+        return
+    assert int(state.skipped) == 1
+    np.testing.assert_array_equal(ref.f64(out[0]), np.zeros(100))
