@@ -195,7 +195,14 @@ def check_clip_norm(clip_norm: Any, fn: str, name: str = "clip_norm", zero: bool
         )
 
 
-def check_norm_range(value: Any, name: str, dtype: Any, fn: str) -> None:
+def check_norm_range(
+    value: Any,
+    name: str,
+    dtype: Any,
+    fn: str,
+    effect: str = "norms above it would not be clipped",
+    off: str = ", or float('inf') to turn clipping off",
+) -> None:
     """A concrete threshold on norms of ``dtype`` (float32, or float64 for 64-bit leaves):
     a finite one beyond that dtype's range would be cast to inf there, which silently
     turns clipping (or skipping) off for norms above the threshold. Checked where the
@@ -209,8 +216,7 @@ def check_norm_range(value: Any, name: str, dtype: Any, fn: str) -> None:
         raise ValueError(
             f"jaxclip.{fn}: {name}={value!r} is beyond the range of {np.dtype(dtype).name} "
             f"(largest {top:.8g}), the dtype the norms of these leaves are computed and "
-            "compared in: there it would be inf, and norms above it would not be clipped. "
-            f"Pass at most {top:.8g}, or float('inf') to turn clipping off."
+            f"compared in: there it would be inf, and {effect}. Pass at most {top:.8g}{off}."
         )
 
 

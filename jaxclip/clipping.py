@@ -408,6 +408,14 @@ def clip_tree_by_global_norm(
         parts = _norms.global_norm_parts(xs, p, axis_name=names, paths=tuple(sel.chosen_paths))
     else:
         _checks.check_use_norm(use_norm, "clip_tree_by_global_norm")
+        _checks.check_norm_range(
+            use_norm,
+            "use_norm",
+            _norms.result_dtype(xs),
+            "clip_tree_by_global_norm",
+            effect="every selected leaf would be scaled by 0",
+            off="",
+        )
         parts = _norms.as_norm(jnp.asarray(use_norm, _norms.result_dtype(xs)))
     if error_if_nonfinite:
         _errors.raise_if_nonfinite([parts.value], ["global norm"])

@@ -740,3 +740,16 @@ def test_skip_threshold_beyond_float32_range_is_not_silently_inf():
         return
     assert int(state.skipped) == 1
     np.testing.assert_array_equal(ref.f64(out[0]), np.zeros(100))
+
+
+def test_use_norm_beyond_float32_range_does_not_zero_the_tree():
+    # use_norm=3e39 (a float64 norm of these float32 leaves) must scale each 3e38 to
+    # 3e38 * 1 / 3e39 = 0.1 (float64 formula), or be refused; as a float32 it is inf and
+    # would zero the tree.
+    g = [jnp.full(100, 3e38, jnp.float32)]
+    try:
+        out, _ = jaxclip.clip_tree_by_global_norm(g, 1.0, use_norm=3e39)
+    except ValueError as e:
+        assert "use_norm=3e+39" in str(e) and "float32" in str(e), str(e)
+        return
+    np.testing.assert_allclose(ref.f64(out[0]), np.full(100, 0.1), rtol=1e-6)
