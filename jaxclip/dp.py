@@ -637,6 +637,15 @@ def adaptive_clip_per_example(
     """
     fn = "adaptive_clip_per_example"
     _checks.check_clip_norm(initial_clip_norm, fn, "initial_clip_norm", zero=True)
+    # The clip norm is a float32 state whatever the gradients' dtype.
+    _checks.check_norm_range(
+        initial_clip_norm,
+        "initial_clip_norm",
+        np.float32,
+        fn,
+        effect="the clip norm (a float32 state) would start, and stay, inf: nothing clipped",
+        off="",
+    )
     p = per_example.check_common(1.0, norm_type, reduce, None, fn)  # the norm checked above
     if reduce is None:
         raise ValueError(f'jaxclip.{fn}: reduce=None; pass "mean" or "sum".')

@@ -753,3 +753,18 @@ def test_use_norm_beyond_float32_range_does_not_zero_the_tree():
         assert "use_norm=3e+39" in str(e) and "float32" in str(e), str(e)
         return
     np.testing.assert_allclose(ref.f64(out[0]), np.full(100, 0.1), rtol=1e-6)
+
+
+def test_adaptive_initial_clip_norm_beyond_float32_range_is_not_silently_inf():
+    # The adaptive clip norm is a float32 state: 1e39 would be inf there, which its
+    # geometric updates (multiplications) never bring back, so nothing would ever be
+    # clipped. One example of norm 3e39 must be clipped to 1e39 (each 3e38 -> 1e38, float64
+    # formula), or the value refused.
+    g = jnp.full((1, 100), 3e38, jnp.float32)
+    try:
+        tx = jaxclip.adaptive_clip_per_example(1e39, reduce="sum")
+    except ValueError as e:
+        assert "initial_clip_norm=1e+39" in str(e) and "float32" in str(e), str(e)
+        return
+    out, _ = tx.update(g, tx.init(g[0]))
+    np.testing.assert_allclose(ref.f64(out), np.full(100, 1e38), rtol=1e-6)
