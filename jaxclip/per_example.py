@@ -178,6 +178,17 @@ def _weights(scale: _norms.Factor, clip_norm: Any, batch: int) -> tuple[Array, A
     return lifted, 1 / lift
 
 
+def _clipped_contract(
+    xs: Sequence[Array], scale: _norms.Factor, clip_norm: Array, mask: Array | None
+) -> list[Array]:
+    """Per ``x`` of ``xs``, ``sum_b x[b]`` clipped by example ``b``'s factor (weight 0
+    where ``mask`` is False), in the accumulation dtype: the weights, lifted where some
+    factor is below the normal range (:func:`_weights`), contracted with each ``x``."""
+    w, unlift = _weights(scale, clip_norm, xs[0].shape[0])
+    w = w if mask is None else jnp.where(mask, w, 0)
+    return [total * unlift for total in _contract(w, xs)]  # exact: a power of two
+
+
 def _contract(w: Array, xs: Sequence[Array]) -> list[Array]:
     """``sum_b w[b] * x[b]`` for each ``x`` of ``xs``, as one matrix-vector product each,
     accumulated and returned in the accumulation dtype of ``x`` (float32 for 16-bit
@@ -440,16 +451,19 @@ def _arrays(
         return outs, list(rest), norms, fractions
     keys = [None] * len(xs) if key is None else list(jax.random.split(key, len(xs)))
     # Per group of ``members``, its weights and its leaves' contractions, once for all.
-    unlifts: list[Any] = [None] * len(xs)
     contracted: list[Any] = [None] * len(xs)
     for group in filter(None, members):
-        w, unlift = _weights(scales[group[0]], limits[group[0]], xs[group[0]].shape[0])
-        w = w if weights is None else jnp.where(weights, w, 0)
-        for i, total in zip(group, _contract(w, [xs[i] for i in group])):
-            contracted[i], unlifts[i] = total, unlift
+        first = group[0]
+        c = jnp.asarray(limits[first], parts[first].frac.dtype)
+        group_xs = tuple(xs[i] for i in group)
+        totals = _norms.summed_clipped(
+            _clipped_contract, group_xs, scales[first], parts[first], c, weights
+        )
+        for i, total in zip(group, totals):
+            contracted[i] = total
     outs = []
     for i, (x, k, path) in enumerate(zip(xs, keys, paths)):
-        total = contracted[i] * unlifts[i]  # exact (a power of two); fuses with what follows
+        total = contracted[i]
         if k is not None:  # one independent draw per leaf (and per step: a fresh key)
             k, share = _device_noise(k, x, _norms.leaf_axes(axis_name, i), path)
             total = total + normal(k, total, noise_std * share)

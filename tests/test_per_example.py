@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import reference as ref
 from _helpers import xla_cpu_only
 
 import jaxclip
@@ -585,3 +586,39 @@ def test_averaged_gradient_error_spells_the_per_example_shape():
             tx.update(params, tx.init(params), params)
         assert f"per-example gradients have shape {want}." in str(err.value)
         assert f"update at '{next(iter(params))}'" in str(err.value)
+
+
+# The gradient of a weighted clipped sum, w . sum_b x_b min(1, c / n_b), with respect to
+# the per-example gradients, against float64: for a clipped example
+# (c / n_b) (w - x_b (w . x_b) / n_b**2), else w. The contraction's own derivative formed
+# w . x_b: inf for 16 elements near 1e38, flushed to 0 (the norm's part lost, 37% off)
+# for elements near 1e-37 whose outputs are partly subnormal.
+_GRAD_EXAMPLES = {
+    "large": (np.linspace(0.55, 0.95, 16) * 1e38, 1.2e38, 0.25, [0.5, -1.0, 0.25, 2.0, -0.75]),
+    "tiny": (
+        np.array([9.775674e-38, -3.1055655e-38, -3.288239e-38, -7.921467e-38, 4.5495806e-38]),
+        3e-38,
+        4.0,
+        [-0.099198, 0.545289, -0.607186, 0.126828, -0.892274],  # w . x_0 subnormal
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_GRAD_EXAMPLES))
+def test_gradient_through_the_clipped_sum_at_extreme_magnitudes(case):
+    row, c, other, weights = _GRAD_EXAMPLES[case]
+    x = np.stack([row, row * other]).astype(np.float32)  # every input normal
+    w = np.resize(weights, x.shape[1]).astype(np.float32)
+    c = float(np.float32(c))
+
+    def loss(g):
+        total, _ = jaxclip.clip_tree_per_example([g], c, reduce="sum")
+        return jnp.sum(jnp.asarray(w) * total[0])
+
+    got = ref.f64(jax.jit(jax.grad(loss))(jnp.asarray(x)))
+    x64, w64 = ref.f64(x), ref.f64(w)
+    want = np.empty_like(x64)
+    for b, xb in enumerate(x64):
+        n = np.sqrt(np.sum(xb**2))
+        want[b] = c / n * (w64 - xb * np.dot(w64, xb) / n**2) if n > c else w64
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.max(np.abs(want)))

@@ -46,6 +46,7 @@ from jaxclip._norms.clip import apply_factors as apply_factors
 from jaxclip._norms.clip import clip_factor as clip_factor
 from jaxclip._norms.clip import clip_joint as clip_joint
 from jaxclip._norms.clip import spread as spread
+from jaxclip._norms.clip import summed_clipped as summed_clipped
 from jaxclip._norms.devices import AxisName as AxisName
 from jaxclip._norms.devices import LeafAxes as LeafAxes
 from jaxclip._norms.devices import PerLeaf as PerLeaf

@@ -8,6 +8,7 @@ differentiates the clipping of many arrays at once, with each part well scaled.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -244,3 +245,44 @@ def clip_joint(xs: Sequence[Array], norm: Norm | Array, clip_norm: Any) -> list[
     c = as_acc(clip_norm, norm)
     n = len(xs)
     return apply_factors(xs, [factor] * n, [norm] * n, [c] * n)
+
+
+#: ``contract(xs, factor, c, mask)``: per x of ``xs``, the sum over its leading (example)
+#: axis of ``x`` clipped by its example's entry of ``factor`` (``mask`` False: weight 0).
+Contract = Callable[[Sequence[Array], Factor, Array, Any], list[Array]]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def summed_clipped(
+    contract: Contract,
+    xs: tuple[Array, ...],
+    factor: Factor,
+    norm: Norm,
+    c: Array,
+    mask: Array | None,
+) -> list[Array]:
+    """``contract(xs, factor, c, mask)``, differentiated as the sum over the examples of
+    :func:`apply_factors`' rule (each example's factor ``c / n_b``, norm ``n_b`` and clip
+    norm ``c``). The contraction's own derivative would form ``<ct, x_b>`` for each
+    example's factor: it overflows where ``x`` is large (16 elements near 1e38 gave an
+    inf gradient) and flushes to 0 where ``x`` is tiny (dropping the norm's part of the
+    derivative); the rule's parts are scaled by ``1 / n_b``."""
+    del norm
+    return contract(xs, factor, c, mask)
+
+
+@summed_clipped.defjvp
+def _summed_clipped_jvp(contract: Contract, primals: tuple, tangents: tuple) -> tuple:
+    xs, factor, norm, c, mask = primals
+    dxs, _, dnorm, dc, _ = tangents
+    outs = contract(xs, factor, c, mask)
+    ts = []
+    for x, dx, out in zip(xs, dxs, outs):
+        kept = (x.shape[0],) + (1,) * (x.ndim - 1)  # one value per example, as x is laid out
+        per = Factor(*(jnp.reshape(v, kept) for v in factor))
+        n = Norm(norm.frac.reshape(kept), norm.exp.reshape(kept))
+        t = _clipped_tangent(x, per, n, c, dx, dnorm.frac.reshape(kept), dc).astype(out.dtype)
+        if mask is not None:
+            t = jnp.where(mask.reshape(kept), t, 0)
+        ts.append(jnp.sum(t, axis=0))
+    return outs, ts
