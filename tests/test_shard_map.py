@@ -632,6 +632,48 @@ def test_adaptive_clip_refuses_a_block_whose_units_its_shape_cannot_say():
         tp(put(g), put(p))
 
 
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
+def test_whole_specs_inside_a_shard_map_over_some_mesh_axes(check_vma):
+    """A shard_map manual over "model" only (XLA partitions "data"), with the leaves' whole
+    PartitionSpecs as axis_name (a model's annotations, which name "data" too): "data"
+    splits no device's block there. It was a NameError ('data' is not a mapped axis)."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    whole = {"col": P("data", "model"), "row": P("model", "data"), "vec": P("data")}
+    local = {"col": P(None, "model"), "row": P("model", None), "vec": P()}
+    shapes = {"col": (8, 16), "row": (16, 8), "vec": (8,)}
+    rng = np.random.default_rng(13)
+    g = {k: (3 * rng.normal(size=s)).astype(np.float32) for k, s in shapes.items()}
+    p = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    tx = jaxclip.clip_by_norm(1.0, axes=0, axis_name=whole)
+
+    def body(g, p):
+        clipped, state = tx.update(g, tx.init(p))
+        agc = jaxclip.clip_tree_adaptive(g, p, 0.05, axis_name=whole)
+        return clipped, state.norms, agc, jaxclip.global_norm(g, axis_name=whole)
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(local, local),
+        out_specs=(local, P(), local, P()),
+        axis_names={"model"},
+        check_vma=check_vma,
+    )
+    put = lambda t: {k: jax.device_put(v, NamedSharding(mesh, whole[k])) for k, v in t.items()}  # noqa: E731
+    with jax.set_mesh(mesh):
+        clipped, norms, agc, n = jax.jit(f)(put(g), put(p))
+    np.testing.assert_allclose(n, ref.norm(list(g.values()), 2.0), rtol=2e-6)
+    for k in shapes:
+        np.testing.assert_allclose(
+            ref.f64(clipped[k]), ref.clip_each(g[k], 1.0, 2.0, (0,)), rtol=2e-6
+        )
+        np.testing.assert_allclose(norms[k], np.max(ref.norm([g[k]], 2.0, (0,))), rtol=2e-6)
+        a = None if k == "vec" else (0,)
+        limit = 0.05 * np.maximum(ref.norm([p[k]], 2.0, a), 1e-3)
+        want = ref.f64(g[k]) * ref.scale(ref.norm([g[k]], 2.0, a), limit)
+        np.testing.assert_allclose(ref.f64(agc[k]), want, rtol=2e-6, err_msg=k)
+
+
 def test_jit_on_an_explicit_mesh_with_a_leaf_split_over_two_kept_axes():
     # The per-slice norms of an (8, 64, 4) leaf over axis 1, split over x and y: they
     # stay split as they are (raveling them is an error on an Explicit mesh).

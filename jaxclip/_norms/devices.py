@@ -65,12 +65,17 @@ def _mapped(spec: PartitionSpec, ndim: int) -> bool:
 
 
 def _spec_names(spec: PartitionSpec, dims: Sequence[int] | None, ndim: int) -> tuple[str, ...]:
-    """The mesh axes that split dimensions ``dims`` (all when None) in ``spec``."""
+    """The axes that split dimensions ``dims`` (all when None) of this device's block in
+    ``spec``: a mesh axis that is not manual here (a ``shard_map`` over some of the mesh's
+    axes leaves the others to XLA) splits no block, whatever the leaf's whole spec says."""
+    mesh = jax.sharding.get_abstract_mesh()
+    unsplit = set(getattr(mesh, "axis_names", ())) - set(getattr(mesh, "manual_axes", ()))
     names: list[str] = []
     for d, entry in enumerate(tuple(spec) + (None,) * (ndim - len(spec))):
         if entry is None or (dims is not None and d not in dims):
             continue
-        names += [n for n in (entry if isinstance(entry, tuple) else (entry,)) if n not in names]
+        entries = entry if isinstance(entry, tuple) else (entry,)
+        names += [n for n in entries if n not in names and n not in unsplit]
     return tuple(names)
 
 
