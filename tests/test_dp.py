@@ -497,3 +497,35 @@ def test_empty_poisson_batch_noise_only_step():
             {"w": jnp.zeros((0, 3))}, jaxclip.clip_per_example(1.0).init({"w": jnp.zeros(3)})
         )
     assert "Skip empty batches" not in str(err.value)
+
+
+@pytest.mark.parametrize("derivative", ["jvp", "vjp"])
+def test_derivative_of_the_clipped_sum_ignores_padding_examples(derivative):
+    # d/dx of sum_b clip(g_b) with g_b = p * x_b**2 (loss 0.5 * sum((p x_b)**2)), padding
+    # rows weighted 0: each real example contributes (c/n)(dg - g (g . dg) / n**2) when
+    # clipped, else dg, with dg = 2 p x_b v_b (float64 formula); padding rows nothing,
+    # forward and reverse.
+    rng = np.random.default_rng(3)
+    p = rng.normal(size=6).astype(np.float32)
+    x = rng.normal(size=(5, 6)).astype(np.float32) * np.float32([[0.3], [2.0], [1.0], [4.0], [0.1]])
+    v = rng.normal(size=x.shape).astype(np.float32)
+    pad = np.array([False, True, False, False, True])
+    c = 1.0
+    grad = jaxclip.clipped_grad(lambda q, xb: 0.5 * jnp.sum((q * xb) ** 2), c, microbatch_size=2)
+
+    def summed(xs: jax.Array) -> jax.Array:
+        return grad(jnp.asarray(p), xs, is_padding_example=pad)
+
+    p64, x64, v64 = (np.asarray(a, np.float64) for a in (p, x, v))
+    want = np.zeros(6)
+    for b in np.flatnonzero(~pad):
+        g, dg = p64 * x64[b] ** 2, 2 * p64 * x64[b] * v64[b]
+        n = np.linalg.norm(g)
+        want += c / n * (dg - g * np.dot(g, dg) / n**2) if n > c else dg
+    if derivative == "jvp":
+        got = jax.jit(lambda xs, t: jax.jvp(summed, (xs,), (t,))[1])(x, v)
+    else:  # the vjp with cotangent e_j, for each output j: rows of the Jacobian
+        jac = jax.jit(jax.jacrev(summed))(jnp.asarray(x))  # (6, 5, 6)
+        got = np.einsum("jbk,bk->j", np.asarray(jac, np.float64), v64)
+        assert not np.any(np.asarray(jac)[:, pad]), "padding rows have a derivative"
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=1e-6)
