@@ -317,6 +317,37 @@ def test_value_bounds_are_those_the_leaf_dtype_holds():
     np.testing.assert_array_equal(np.asarray(jaxclip.clip_tree_by_value(f16, 1e-8)), [0.0, 0.0])
 
 
+def test_eager_value_clipping_is_one_compiled_dispatch():
+    # Op by op, an eager call ran a clamp, a compare and a select per leaf (the integer
+    # keys, about a dozen ops, for a min of 0): 3.8x optax.clip's eager call on a ResNet-18
+    # tree, 25x with min=0. Now one jitted program per tree structure and kernels, which new
+    # values do not recompile; its outputs are those of the call under jit, bit for bit.
+    from jaxclip import clipping
+
+    rng = np.random.default_rng(0)
+    tree = {
+        "w": jnp.asarray(rng.normal(size=(64, 32)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(1 << 16,)), jnp.bfloat16),
+        "h": jnp.asarray(rng.normal(size=(3, 5)), jnp.float16),
+    }
+    for lo in (None, 0.0):
+        tx = jaxclip.clip_by_value(0.5, lo)
+        first = tx.update(tree, optax.EmptyState())[0]
+        size = clipping._clip_values_jit._cache_size()
+        for scale in (2.0, 0.25):
+            g = jax.tree.map(lambda x, s=scale: (x * s).astype(x.dtype), tree)
+            eager = tx.update(g, optax.EmptyState())[0]
+            jitted = jax.jit(tx.update)(g, optax.EmptyState())[0]
+            for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+                assert a.dtype == b.dtype
+                np.testing.assert_array_equal(
+                    np.asarray(a).view(f"u{a.dtype.itemsize}"),
+                    np.asarray(b).view(f"u{b.dtype.itemsize}"),
+                )
+        assert clipping._clip_values_jit._cache_size() == size
+        assert jax.tree.structure(first) == jax.tree.structure(tree)
+
+
 def test_value_clipping_takes_python_number_leaves():
     # Its bound check read leaf.shape: a Python float leaf raised AttributeError, where
     # every other mode (and optax.clip) takes it.
