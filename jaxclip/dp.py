@@ -606,7 +606,8 @@ def adaptive_clip_per_example(
         denominator, not private); None: the number of rows of each update.
       geometric_update: update ``C`` geometrically (True) or arithmetically.
       reduce: ``"mean"`` (divide by the number of rows, padding included) or ``"sum"``.
-      seed: an int, or a ``jax.random`` key, for the noise.
+      seed: an int (kept as a raw ``uint32`` key, which checkpoints as it is), or a
+        ``jax.random`` key, for the noise.
       norm_type: ``p >= 2**-10`` or ``float('inf')``; with noise, ``p <= 2`` (see
         :func:`clip_per_example`).
       need_clip: which leaves are clipped and noised (see :func:`clip_tree_per_example`).
@@ -677,11 +678,10 @@ def adaptive_clip_per_example(
 
     def init_fn(params: PyTree) -> AdaptiveClipPerExampleState:
         del params
-        key = jax.random.key(seed) if np.ndim(seed) == 0 and not per_example.is_key(seed) else seed
         return AdaptiveClipPerExampleState(
             jnp.asarray(initial_clip_norm, jnp.float32),
             jnp.asarray(target_unclipped_quantile, jnp.float32),
-            jnp.asarray(key),
+            per_example.initial_key(seed),
         )
 
     def update_fn(

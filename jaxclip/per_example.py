@@ -711,7 +711,8 @@ def clip_per_example(
         label -> clip norm (see :func:`clip_tree_per_example`).
       reduce: ``"mean"`` (DP-SGD), ``"sum"``, or None (no noise; clipped examples).
       noise_multiplier: the noise's standard deviation over ``clip_norm``, >= 0.
-      seed: an int, or a ``jax.random`` key, for the noise.
+      seed: an int (kept as a raw ``uint32`` key, which checkpoints as it is), or a
+        ``jax.random`` key, for the noise.
       norm_type: ``p >= 2**-10`` or ``float('inf')``; with noise, ``p <= 2`` (a larger p
         bounds an example's L2 norm by more than ``clip_norm``: a ValueError).
       need_clip: which leaves are clipped (see :func:`clip_tree_per_example`: a rule
@@ -782,8 +783,7 @@ def clip_per_example(
         if size is not None:
             norms = pack({label: jnp.zeros((size,), jnp.float32) for label in labels})
         fraction = pack({label: jnp.zeros((), jnp.float32) for label in labels})
-        key = jax.random.key(seed) if np.ndim(seed) == 0 and not is_key(seed) else seed
-        return ClipPerExampleState(norms, fraction, jnp.asarray(key))
+        return ClipPerExampleState(norms, fraction, initial_key(seed))
 
     def update_fn(updates: PyTree, state: ClipPerExampleState, params: Any = None):
         check_against_params(updates, params, fn)
@@ -837,6 +837,15 @@ def check_against_params(updates: PyTree, params: Any, fn: str) -> None:
                 "jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, batch), not an "
                 "averaged gradient."
             )
+
+
+def initial_key(seed: Any) -> Array:
+    """The state's PRNG key: for an int seed a raw ``uint32[2]`` key (as ``optax.add_noise``
+    keeps; the same draws as ``jax.random.key(seed)``), which every checkpointer saves
+    (``flax.serialization`` and ``np.asarray`` refuse typed keys); a key as given."""
+    return jnp.asarray(
+        jax.random.PRNGKey(seed) if np.ndim(seed) == 0 and not is_key(seed) else seed
+    )
 
 
 def is_key(x: Any) -> bool:

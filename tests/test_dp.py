@@ -529,3 +529,26 @@ def test_derivative_of_the_clipped_sum_ignores_padding_examples(derivative):
         got = np.einsum("jbk,bk->j", np.asarray(jac, np.float64), v64)
         assert not np.any(np.asarray(jac)[:, pad]), "padding rows have a derivative"
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxclip.clip_per_example(1.0, noise_multiplier=1.0, seed=3),
+        lambda: jaxclip.adaptive_clip_per_example(1.0, noise_multiplier=1.0, seed=3),
+    ],
+)
+def test_noisy_state_from_an_int_seed_checkpoints_as_numpy(make):
+    # A checkpointer turns the state into NumPy arrays (flax.serialization, np.asarray):
+    # a typed key refuses that. Restored, the next update draws the same noise; and the
+    # draws are jax.random.key(seed)'s.
+    tx = make()
+    g = {"w": jnp.arange(12.0).reshape(3, 4) / 10}
+    state = tx.init({"w": jnp.zeros(4)})
+    saved = jax.tree.map(np.asarray, state)
+    assert saved.key.dtype == np.uint32
+    np.testing.assert_array_equal(saved.key, jax.random.key_data(jax.random.key(3)))
+    restored = jax.tree.map(jnp.asarray, saved)
+    a, _ = tx.update(g, state)
+    b, _ = tx.update(g, restored)
+    np.testing.assert_array_equal(a["w"], b["w"])
