@@ -135,6 +135,25 @@ def test_plan_with_a_partner_lays_both_trees_out_alike():
     assert alone[(1,)] == 1 << n.bit_length() and alone[(0, 2, 3)] == 16
 
 
+def test_plan_keeps_each_one_byte_dtype_in_buckets_of_its_own():
+    # Seven float8 dtypes (and float4) share NumPy's type string '<V1': a bucket is a
+    # concatenation, so each dtype needs its own, planned alone or with a partner.
+    dtypes = [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e3m4, jnp.float8_e5m2fnuz]
+    leaves = [jnp.ones((4, 4), d) for d in dtypes]
+    none = [()] * len(leaves)
+    axes = [None] * len(leaves)
+    for partner in (None, ([jnp.ones((4, 4))] * len(leaves), none)):
+        got = units.plan(leaves, axes, none, True, True, partner=partner)
+        assert sorted(u.members for u in got) == [(0,), (1,), (2,), (3,)], got
+    x = jnp.asarray(np.linspace(-2, 2, 16).reshape(4, 4))
+    tree = {str(np.dtype(d)): x.astype(d) for d in dtypes}
+    clipped, norms = jax.jit(lambda t: jaxclip.clip_tree_by_norm(t, 1.0))(tree)
+    for k, v in tree.items():
+        n = np.linalg.norm(ref.f64(v))
+        np.testing.assert_allclose(float(norms[k]), n, rtol=1e-6, err_msg=k)
+        assert clipped[k].dtype == v.dtype
+
+
 @pytest.mark.parametrize("p", [2.0, 3.0, math.inf])
 @pytest.mark.parametrize("axes", [-1, 0])
 def test_bucketed_slices_are_exact(axes, p):

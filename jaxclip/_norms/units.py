@@ -96,7 +96,7 @@ def plan(
         if x.size == 0 and not rows:
             continue
         whole = a is None or len(a) == x.ndim
-        own = sorted((np.dtype(y.dtype).str, cy) for y, cy in (side[i] for side in sides))
+        own = sorted((np.dtype(y.dtype).name, cy) for y, cy in (side[i] for side in sides))
         ys = [side[i][0] for side in sides]
         # Bucket rows are zero-padded: not for a dtype with no zero (float8_e8m0fnu).
         if bucket and whole and x.size and all(_whole_bucketable(y, rows) for y in ys):
