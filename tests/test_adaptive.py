@@ -159,6 +159,24 @@ def test_adaptive_clip_of_16_bit_gradients_of_32_bit_params(dtype, param_dtype):
         assert not np.array_equal(want, ref.f64(grads[k])), k  # every leaf has a clipped unit
 
 
+@pytest.mark.parametrize("one, other", [(jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.float16)])
+def test_adaptive_clip_of_leaves_whose_dtypes_swap_between_the_trees(one, other):
+    # Leaf "a" is a `one` gradient of an `other` param, leaf "b" the other way round: the
+    # pairs differ, so no bucket may hold both (it concatenated a bfloat16 and a float32
+    # gradient, a TypeError, or reinterpreted float16 bits as bfloat16).
+    rng = np.random.default_rng(3)
+    g = {k: rng.normal(size=(4, 3)).astype(np.float32) for k in "ab"}
+    p = {k: rng.normal(size=(4, 3)).astype(np.float32) for k in "ab"}
+    grads = {"a": jnp.asarray(g["a"], one), "b": jnp.asarray(g["b"], other)}
+    params = {"a": jnp.asarray(p["a"], other), "b": jnp.asarray(p["b"], one)}
+    out = jax.jit(lambda g, p: jaxclip.clip_tree_adaptive(g, p, 0.01))(grads, params)
+    for k in "ab":
+        want = _agc_reference(grads[k], params[k], 0.01, 1e-3)
+        eps = float(jnp.finfo(grads[k].dtype).eps)
+        assert out[k].dtype == grads[k].dtype
+        np.testing.assert_allclose(ref.f64(out[k]), want, rtol=2 * eps, atol=0, err_msg=k)
+
+
 def test_adaptive_clip_needs_params_and_axes_override():
     tx = jaxclip.adaptive_clip(0.1)
     with pytest.raises(ValueError, match="needs the parameters"):
