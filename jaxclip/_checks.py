@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxclip import _tree
 from jaxclip._errors import HyperparameterTypeError
+from jaxclip._norms.arith import result_dtype
 
 Array = jax.Array
 Axes = None | int | Sequence[int]
@@ -218,6 +219,15 @@ def check_norm_range(
             f"(largest {top:.8g}), the dtype the norms of these leaves are computed and "
             f"compared in: there it would be inf, and {effect}. Pass at most {top:.8g}{off}."
         )
+
+
+def check_joint_norm_range(
+    value: Any, name: str, leaves: Sequence[Any], fn: str, **message: str
+) -> None:
+    """:func:`check_norm_range` in the dtype of one norm over ``leaves`` (a global norm,
+    a group's, an example's); no leaves, no norm to compare."""
+    if leaves:
+        check_norm_range(value, name, result_dtype(leaves), fn, **message)
 
 
 def check_use_norm(use_norm: Any, fn: str) -> None:

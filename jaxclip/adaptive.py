@@ -839,8 +839,8 @@ def zclip(
     def update_fn(updates: PyTree, state: ZClipState, params: Any = None):
         del params
         sel, xs, norm, parts = _selected(updates, need_clip, axis_name, "zclip")
-        if xs and max_grad_norm is not None:
-            _checks.check_norm_range(max_grad_norm, cap_name, _norms.result_dtype(xs), "zclip")
+        if max_grad_norm is not None:
+            _checks.check_joint_norm_range(max_grad_norm, cap_name, xs, "zclip")
         finite = jnp.isfinite(norm)
         # An array even where a state was edited with a Python int (the docstring's recipe):
         # `~` of a Python bool is not a logical not.
@@ -989,9 +989,7 @@ def skip_large_updates(
         sel = _tree.select(updates, need_clip, what="spike skipping")
         names = _axes.resolve(axis_name, sel, "skip_large_updates")
         xs, paths = [jnp.asarray(x) for x in sel.chosen], tuple(sel.chosen_paths)
-        if xs:
-            dtype = _norms.result_dtype(xs)
-            _checks.check_norm_range(threshold, "threshold", dtype, "skip_large_updates")
+        _checks.check_joint_norm_range(threshold, "threshold", xs, "skip_large_updates")
         parts = _norms.global_norm_parts(xs, p, axis_name=names, paths=paths)
         norm = parts.value.astype(jnp.float32)
         # Finite from frac: a finite norm beyond float32's range is inf as a value but is

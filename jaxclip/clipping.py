@@ -423,7 +423,9 @@ def clip_tree_by_global_norm(
             group_names = _norms.leaves_axes(names, members)
             group_paths = tuple(sel.chosen_paths[i] for i in members)
             group_xs = [xs[i] for i in members]
-            _check_range(clip_norm, group_xs)
+            _checks.check_joint_norm_range(
+                clip_norm, "clip_norm", group_xs, "clip_tree_by_global_norm"
+            )
             n = _norms.global_norm_parts(group_xs, p, axis_name=group_names, paths=group_paths)
             if error_if_nonfinite:
                 _errors.raise_if_nonfinite([n.value], [f"global norm of group {label!r}"])
@@ -431,15 +433,15 @@ def clip_tree_by_global_norm(
                 clipped[i] = x
             norms[label] = n.value
         return sel.rebuild(clipped), norms
-    _check_range(clip_norm, xs)
+    _checks.check_joint_norm_range(clip_norm, "clip_norm", xs, "clip_tree_by_global_norm")
     if use_norm is None:
         parts = _norms.global_norm_parts(xs, p, axis_name=names, paths=tuple(sel.chosen_paths))
     else:
         _checks.check_use_norm(use_norm, "clip_tree_by_global_norm")
-        _checks.check_norm_range(
+        _checks.check_joint_norm_range(
             use_norm,
             "use_norm",
-            _norms.result_dtype(xs),
+            xs,
             "clip_tree_by_global_norm",
             effect="every selected leaf would be scaled by 0",
             off="",
@@ -448,13 +450,6 @@ def clip_tree_by_global_norm(
     if error_if_nonfinite:
         _errors.raise_if_nonfinite([parts.value], ["global norm"])
     return sel.rebuild(_norms.clip_joint(xs, parts, clip_norm)), parts.value
-
-
-def _check_range(clip_norm: ArrayLike, xs: list[Array]) -> None:
-    """``clip_norm`` within the range of the global norm's dtype (see check_norm_range)."""
-    if xs:
-        dtype = _norms.result_dtype(xs)
-        _checks.check_norm_range(clip_norm, "clip_norm", dtype, "clip_tree_by_global_norm")
 
 
 def _check_same_groups(

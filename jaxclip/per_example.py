@@ -353,10 +353,8 @@ def clip_examples(
     members = tuple(tuple(i for i, lab in enumerate(per_leaf) if lab == label) for label in labels)
     clip_norms = per_label_clip_norms(clip_norm, labels, fn)
     for group_members, label, c in zip(members, labels, clip_norms):
-        if group_members:  # the label's per-example norms have its leaves' dtype
-            dtype = _norms.result_dtype([xs[i] for i in group_members])
-            name = "clip_norm" if group is None else f"clip_norm[{label!r}]"
-            _checks.check_norm_range(c, name, dtype, fn)
+        name = "clip_norm" if group is None else f"clip_norm[{label!r}]"
+        _checks.check_joint_norm_range(c, name, [xs[i] for i in group_members], fn)
     rest_xs = [jnp.asarray(sel.leaves[i]) for i in rest]
     outs, rest_outs, norms, fractions = _arrays(
         xs,
