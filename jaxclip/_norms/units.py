@@ -96,12 +96,11 @@ def plan(
         if x.size == 0 and not rows:
             continue
         whole = a is None or len(a) == x.ndim
-        # In side order, not sorted: a bfloat16 gradient of a float32 param must not share
-        # a bucket with a float32 gradient of a bfloat16 param (one concatenation would
-        # hold two dtypes). Each side's key is the other's reversed: the same groups.
-        own = tuple((np.dtype(y.dtype).name, cy) for y, cy in (side[i] for side in sides))
+        # In side order: a bfloat16 gradient of a float32 param must not share a bucket
+        # with a float32 gradient of a bfloat16 param (one concatenation would hold two
+        # dtypes). Each side's key is the other's reversed: the same groups.
+        own = tuple((np.dtype(y.dtype), cy) for y, cy in (side[i] for side in sides))
         ys = [side[i][0] for side in sides]
-        # Bucket rows are zero-padded: not for a dtype with no zero (float8_e8m0fnu).
         if bucket and whole and x.size and all(_whole_bucketable(y, rows) for y in ys):
             width = 1 << (x.size - 1).bit_length() if rows else FLAT
             groups.setdefault((width, *own), []).append(i)
@@ -111,7 +110,7 @@ def plan(
         ):  # fmt: skip
             # Slices of one length, whatever the leaves' shapes: one row each.
             length = math.prod(x.shape[d] for d in a)
-            spread = tuple(tuple(sorted(varying(y))) for y in ys)
+            spread = tuple(varying(y) for y in ys)
             groups.setdefault((SLICES, length, *own, *spread), []).append(i)
         else:
             alone.append(Unit((i,), ALONE, c))
