@@ -231,6 +231,42 @@ def _all_norms(x: jax.Array, small: list[jax.Array], p: float) -> dict:
     }
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _per_example(leaves: list[jax.Array], p: float) -> jax.Array:
+    return _norms.per_example_norm_parts(leaves, p).value
+
+
+def _small_examples(scales: list[float]) -> list[np.ndarray]:
+    """Thirty small per-example leaves of three dtypes (the rare path buckets them), each
+    example scaled by its entry of ``scales`` (float16 ones by at most 1e3, their range)."""
+    rng = np.random.default_rng(5)
+    shapes = [(3,), (7,), (4, 5), (16,), (2, 3, 2)] * 6
+    dtypes = [np.float32, jnp.bfloat16, np.float16]
+    out = []
+    for i, s in enumerate(shapes):
+        d = dtypes[i % 3]
+        k = np.array(scales) if d != np.float16 else np.clip(scales, 1e-3, 1e3)
+        x = rng.normal(size=(len(scales), *s)) * k.reshape((-1,) + (1,) * len(s))
+        out.append(np.asarray(x, d))
+    return out
+
+
+@pytest.mark.parametrize("p", [2.0, 3.0])
+def test_per_example_rare_paths_of_many_small_leaves_match_float64(p):
+    """Per-example norms out of the exact range (all-zero, 1e-30, 1e25 examples), read
+    again one example's rows at a time (one out of range) or over the batch (most),
+    with the small leaves of each dtype concatenated per example on the rare path: each
+    example's norm is its own, whatever its neighbours in a bucket."""
+    for scales in (
+        [1.0] * 5 + [1e-30] + [1.0] * 2,  # one example: its rows
+        [0.0, 1e-30, 1.0, 1e25, 1e-25, 0.0, 1e30, 3e-3],  # most: the whole batch
+    ):
+        leaves = _small_examples(scales)
+        got = _per_example([jnp.asarray(x) for x in leaves], p)
+        want = [ref.norm([x[b] for x in leaves], p) for b in range(len(scales))]
+        _check(got, want, 3e-6, f"scales {scales}")
+
+
 # Suite budget: p = 1.5 and 100 run in the slow step (0.5 and 3 keep fractional and odd
 # powers in the default one; CI runs both).
 _SLOW_P = (1.5, 100.0)

@@ -14,6 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxclip
+from jaxclip import _norms
 from jaxclip._norms import units
 
 
@@ -284,6 +285,20 @@ def test_float16_sums_over_leading_axes_read_a_few_rows_at_a_time(shape, axes):
     entry = compiled.as_text().split("\nENTRY ")[1]
     assert " while(" in entry  # the plain sums' loop, on the common path
     assert compiled.memory_analysis().temp_size_in_bytes <= 0.02 * x.nbytes
+
+
+@pytest.mark.parametrize("p", [2.0, 3.0])
+def test_per_example_rare_paths_bucket_small_leaves(p):
+    """Per-example norms of many small leaves: each leaf's plain sum is a reduction of its
+    own (no copy on the common path), but both rare paths (one example's rows; the whole
+    batch) read the small leaves concatenated per example, a few reductions per bucket:
+    with a reduction per leaf in each, a thousand small leaves compiled in 2.7x optax's
+    time (16.5 s)."""
+    n = 300
+    tree = [jnp.ones((8, 4 + i % 9, 3), (jnp.float32, jnp.bfloat16)[i % 2]) for i in range(n)]
+    text = jax.jit(lambda g: _norms.per_example_norm_parts(g, p).value).lower(tree).as_text()
+    assert text.count("stablehlo.reduce") < 1.25 * n
+    assert text.count("stablehlo.while") == 1  # the rows path is still there
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

@@ -495,25 +495,25 @@ def max_keeping_nan(x: Array, axes: Axes = None) -> Array:
     return from_magnitude_bits(top, x.dtype)
 
 
-def concatenate(parts: Sequence[Array]) -> Array:
+def concatenate(parts: Sequence[Array], axis: int = 0) -> Array:
     """``jnp.concatenate``, moving bfloat16 as raw 16-bit words: XLA:CPU would otherwise
     run a bfloat16 concatenation in float32, a widened copy of every part."""
     if parts[0].dtype != jnp.bfloat16:
-        return jnp.concatenate(parts)
-    return _concatenate_words(tuple(parts))
+        return jnp.concatenate(parts, axis)
+    return _concatenate_words(tuple(parts), axis)
 
 
-@jax.custom_jvp
-def _concatenate_words(parts: tuple[Array, ...]) -> Array:
-    words = jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint16) for x in parts])
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _concatenate_words(parts: tuple[Array, ...], axis: int) -> Array:
+    words = jnp.concatenate([lax.bitcast_convert_type(x, jnp.uint16) for x in parts], axis)
     return lax.bitcast_convert_type(words, jnp.bfloat16)
 
 
 @_concatenate_words.defjvp
-def _concatenate_words_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
+def _concatenate_words_jvp(axis: int, primals: tuple, tangents: tuple) -> tuple[Array, Array]:
     # The words carry no derivative: the tangents are concatenated as numbers.
     (parts,), (dparts,) = primals, tangents
-    return _concatenate_words(parts), jnp.concatenate(dparts)
+    return _concatenate_words(parts, axis), jnp.concatenate(dparts, axis)
 
 
 def opaque(values: Sequence[int], like: Array | None) -> list[Any]:

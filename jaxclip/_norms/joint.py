@@ -49,7 +49,7 @@ from jaxclip._norms.devices import (
 from jaxclip._norms.passes import blue_norm, blue_sums, inf_norms, inf_result, max_abs, power_sum
 from jaxclip._norms.rare import max_shift, shift_factors, shifted_norm, shifted_sum, sum_shift
 from jaxclip._norms.rules import batchable, norm_tangent, tangent
-from jaxclip._norms.units import Bucketed, build, plan
+from jaxclip._norms.units import ALONE, Bucketed, build, plan
 
 Array = jax.Array
 
@@ -88,9 +88,24 @@ def _shifted(j: _Joint, us: Sequence[Array], s: Array, ok: Any, shape: Shape) ->
     return shifted_norm(t, j.p, e, mant, m)
 
 
+def _bucketed(j: _Joint, us: Sequence[Array], lead: int) -> tuple[_Joint, list[Array]]:
+    """Per-example units (``lead`` 1) or one example's rows (``lead`` 0) with the small
+    ones concatenated, per example, into buckets (``units.plan``'s rule): the rare path
+    of a thousand small leaves is then a few kernels to compile, not one per leaf. The
+    copies are made on the rare path only, the size of the small leaves (of one row)."""
+    none = [None] * len(us)
+    layout = plan(us, none, j.combines, True, rows=False)
+    out, _, kinds = build(us, none, layout, lead)
+    bucketed = tuple(
+        j.bucketed[u.members[0]] if u.width == ALONE else k for u, k in zip(layout, kinds)
+    )
+    return j._replace(bucketed=bucketed, combines=tuple(u.combine for u in layout)), out
+
+
 def _batch_rare(j: _Joint, units: Sequence[Array], s: Array, ok: Array, shape: Shape) -> Norm:
     """The rare path over the whole batch; examples in range keep the plain result, so
     each example's norm does not depend on the others in the batch."""
+    j, units = _bucketed(j, units, len(shape))
     return where_norm(ok, in_range_norm(s, j.p), _shifted(j, units, s, ok, shape))
 
 
@@ -100,7 +115,8 @@ def _rows_rare(j: _Joint, units: Sequence[Array], s: Array, ok: Array, count: Ar
 
     def one(i: Array, n: Norm) -> Norm:
         b = idx[i]
-        r = _shifted(j, [row(u, b) for u in units], s[b], False, ())
+        jr, rows = _bucketed(j, [row(u, b) for u in units], 0)
+        r = _shifted(jr, rows, s[b], False, ())
         return Norm(n.frac.at[b].set(r.frac), n.exp.at[b].set(r.exp))
 
     return lax.fori_loop(0, count, one, in_range_norm(s, j.p))
