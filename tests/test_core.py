@@ -236,16 +236,17 @@ def _per_example(leaves: list[jax.Array], p: float) -> jax.Array:
     return _norms.per_example_norm_parts(leaves, p).value
 
 
-def _small_examples(scales: list[float]) -> list[np.ndarray]:
-    """Thirty small per-example leaves of three dtypes (the rare path buckets them), each
-    example scaled by its entry of ``scales`` (float16 ones by at most 1e3, their range)."""
+def _small_examples(scales: list[float], shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """Per-example leaves of ``shapes`` cycling through three dtypes, each example scaled
+    by its entry of ``scales`` (float16 ones only within 1e-3..1e3, else 0: its range)."""
     rng = np.random.default_rng(5)
-    shapes = [(3,), (7,), (4, 5), (16,), (2, 3, 2)] * 6
     dtypes = [np.float32, jnp.bfloat16, np.float16]
     out = []
     for i, s in enumerate(shapes):
         d = dtypes[i % 3]
-        k = np.array(scales) if d != np.float16 else np.clip(scales, 1e-3, 1e3)
+        k = np.array(scales)
+        if d == np.float16:
+            k = np.where((k >= 1e-3) & (k <= 1e3), k, 0.0)
         x = rng.normal(size=(len(scales), *s)) * k.reshape((-1,) + (1,) * len(s))
         out.append(np.asarray(x, d))
     return out
@@ -256,15 +257,20 @@ def test_per_example_rare_paths_of_many_small_leaves_match_float64(p):
     """Per-example norms out of the exact range (all-zero, 1e-30, 1e25 examples), read
     again one example's rows at a time (one out of range) or over the batch (most),
     with the small leaves of each dtype concatenated per example on the rare path: each
-    example's norm is its own, whatever its neighbours in a bucket."""
-    for scales in (
-        [1.0] * 5 + [1e-30] + [1.0] * 2,  # one example: its rows
-        [0.0, 1e-30, 1.0, 1e25, 1e-25, 0.0, 1e30, 3e-3],  # most: the whole batch
-    ):
-        leaves = _small_examples(scales)
-        got = _per_example([jnp.asarray(x) for x in leaves], p)
-        want = [ref.norm([x[b] for x in leaves], p) for b in range(len(scales))]
-        _check(got, want, 3e-6, f"scales {scales}")
+    example's norm is its own, whatever its neighbours in a bucket. Thirty small leaves
+    (buckets of ten), and two beside a leaf whose rows are too long to copy (a bucket of
+    two small float32 ones)."""
+    many = [(3,), (7,), (4, 5), (16,), (2, 3, 2)] * 6
+    pair = [(5,), (17000,), (1,), (2, 2), (3,)]
+    for shapes in (many, pair):
+        for scales in (
+            [1.0] * 5 + [1e-30] + [1.0] * 2,  # one example: its rows
+            [0.0, 1e-30, 1.0, 1e25, 1e-25, 0.0, 1e30, 3e-3],  # most: the whole batch
+        ):
+            leaves = _small_examples(scales, shapes)
+            got = _per_example([jnp.asarray(x) for x in leaves], p)
+            want = [ref.norm([x[b] for x in leaves], p) for b in range(len(scales))]
+            _check(got, want, 3e-6, f"scales {scales}")
 
 
 # Suite budget: p = 1.5 and 100 run in the slow step (0.5 and 3 keep fractional and odd

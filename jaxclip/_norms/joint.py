@@ -49,7 +49,7 @@ from jaxclip._norms.devices import (
 from jaxclip._norms.passes import blue_norm, blue_sums, inf_norms, inf_result, max_abs, power_sum
 from jaxclip._norms.rare import max_shift, shift_factors, shifted_norm, shifted_sum, sum_shift
 from jaxclip._norms.rules import batchable, norm_tangent, tangent
-from jaxclip._norms.units import ALONE, Bucketed, build, plan
+from jaxclip._norms.units import Bucketed, build, plan
 
 Array = jax.Array
 
@@ -96,10 +96,7 @@ def _bucketed(j: _Joint, us: Sequence[Array], lead: int) -> tuple[_Joint, list[A
     none = [None] * len(us)
     layout = plan(us, none, j.combines, True, rows=False)
     out, _, kinds = build(us, none, layout, lead)
-    bucketed = tuple(
-        j.bucketed[u.members[0]] if u.width == ALONE else k for u, k in zip(layout, kinds)
-    )
-    return j._replace(bucketed=bucketed, combines=tuple(u.combine for u in layout)), out
+    return j._replace(bucketed=tuple(kinds), combines=tuple(u.combine for u in layout)), out
 
 
 def _batch_rare(j: _Joint, units: Sequence[Array], s: Array, ok: Array, shape: Shape) -> Norm:
