@@ -1,7 +1,7 @@
 """Per-slice vectors of short slices (a conv kernel over its leading axis: a third of
-the leaf) are not stacked together (``stacking.STACK_MAX_SIZE``), and the plain sums'
-range is one code per stacked vector (``slices._range_code``). Expected values are
-float64 NumPy norms."""
+the leaf) are never stacked (``stacking.STACK_MAX_SIZE``), and the plain sums' range is
+one code per stacked vector (``slices._range_code``). Expected values are float64 NumPy
+norms."""
 
 from __future__ import annotations
 
@@ -17,16 +17,12 @@ from jaxclip._norms.arith import exact_lo
 BIG = stacking.STACK_MAX_SIZE
 
 
-def test_a_group_holds_at_most_one_vector_above_the_size_limit():
+def test_vectors_above_the_size_limit_are_alone():
     sizes = [10, BIG + 1, 5, BIG + 1, BIG, BIG + 2, 1]
     vs = [jnp.zeros((n,), jnp.float32) for n in sizes]
-    vs += [jnp.zeros((BIG + 1,), jnp.bfloat16), jnp.zeros((BIG + 1,), jnp.bfloat16)]
-    # The first large float32 vector joins the small ones (BIG itself is not large);
-    # the later ones are alone; bfloat16 vectors group apart, one large each.
-    assert stacking.groups_of(vs) == [[0, 1, 2, 4, 6], [3], [5], [7], [8]]
-    # A vector of BIG elements is not large: the large one after it still joins.
-    vs = [jnp.zeros((n,), jnp.float32) for n in (BIG, BIG + 1, BIG + 1)]
-    assert stacking.groups_of(vs) == [[0, 1], [2]]
+    vs += [jnp.zeros((BIG + 1,), jnp.bfloat16), jnp.zeros((3,), jnp.bfloat16)]
+    # Small ones (BIG itself is not large) group per dtype; each large one is alone.
+    assert stacking.groups_of(vs) == [[0, 2, 4, 6], [1], [3], [5], [7], [8]]
 
 
 def test_range_code_per_stacked_vector():
@@ -75,7 +71,7 @@ def test_several_large_vectors_clip_and_report_as_float64(clip):
         np.testing.assert_allclose(top, n.max(), rtol=3e-7)
 
 
-def test_no_concatenation_of_two_large_vectors_in_the_compiled_program():
+def test_no_concatenation_of_a_large_vector_in_the_compiled_program():
     g = {k: jnp.asarray(v) for k, v in _tree().items()}
     tx = jaxclip.clip_by_norm(1.0, axes=0)
     text = jax.jit(tx.update).lower(g, tx.init(g)).compile().as_text()
@@ -84,8 +80,10 @@ def test_no_concatenation_of_two_large_vectors_in_the_compiled_program():
         if " concatenate(" in line:
             shape = line.split("=", 1)[1].split("{")[0].split("[", 1)[1].split("]")[0]
             sizes.append(int(np.prod([int(d) for d in shape.split(",") if d])))
-    assert sizes  # the small leaf's and the first kernel's vectors are still stacked
-    assert max(sizes) < 2 * (3 * 160 * 160)
+    # The small leaf's vectors may be stacked with others; a kernel's never: a copy in
+    # and out of every pass (a (512, 512, 3, 3) kernel over its last axis: 2.6x the
+    # naive formula's time when its norms joined the small leaves').
+    assert max(sizes, default=0) <= BIG
 
 
 def test_the_rare_pass_runs_only_where_a_code_asks_for_it():
