@@ -292,14 +292,15 @@ def _per_example_reductions(tree: list, p: float) -> str:
     return jax.jit(fn).lower(tree).as_text()
 
 
-@pytest.mark.parametrize("p", [2.0, 3.0])
+@pytest.mark.parametrize("p", [2.0, 3.0, 0.5])
 def test_per_example_rare_paths_bucket_small_leaves(p):
     """Per-example norms of many leaves: each leaf's plain sum is a reduction of its own
     (no copy on the path every step runs: a bucket of 16-bit leaves there ran 1.3-1.7x
     slower), but the rare paths read small leaves (at most 64 KiB, the batch included)
     side by side per example over the batch, and small rows side by side in the loop
     over single examples: with a reduction per leaf on each path, a thousand small leaves
-    compiled in 2.7x optax's time (float32)."""
+    compiled in 2.7x optax's time (float32), and at p = 0.5 forty leaves of four dtypes
+    compiled in 48 s (two hundred took XLA past 24 GB of memory)."""
     n = 300
     small = [
         jax.ShapeDtypeStruct((8, 4 + i % 9, 3), (jnp.float32, jnp.bfloat16)[i % 2])
@@ -309,7 +310,7 @@ def test_per_example_rare_paths_bucket_small_leaves(p):
     # 77 KB leaves of 1.2 KB rows: their own sums on the common path and over the batch,
     # rows side by side in the loop (three sums per leaf before).
     rows = [jax.ShapeDtypeStruct((64, 300 + i % 5), jnp.float32) for i in range(n)]
-    per_leaf = 2 if p == 2.0 else 5  # p = 3: the maxima first, then the shifted sums
+    per_leaf = 2 if p == 2.0 else 5  # else: the maxima first, then the shifted sums
     text = _per_example_reductions(rows, p)
     assert text.count("stablehlo.reduce") < (per_leaf + 0.25) * n
     assert text.count("stablehlo.while") == 1  # the rows path is still there
