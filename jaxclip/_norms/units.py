@@ -6,7 +6,8 @@ of a matrix for per-leaf norms (one row norm per leaf), so that a thousand small
 compile to a handful of reduction kernels. Small leaves reduced over their trailing or
 leading axes bucket too, by the length of their slices: each leaf's slices become rows
 of one matrix (a leading-axes leaf transposed), one row norm per slice. Per-example
-leaves are units of their own, each flattened to ``(batch, elements)``. Only leaves
+leaves are units of their own, each flattened to ``(batch, elements)``, on the path every
+step runs; their rare paths bucket them per example (flat buckets with ``lead``). Only leaves
 that live whole on one device are bucketed: concatenating sharded leaves would make XLA
 all-gather them. The layout is static: it depends on shapes, dtypes and mapped axes.
 """
