@@ -92,7 +92,8 @@ def _bucketed(j: _Joint, us: Sequence[Array], lead: int) -> tuple[_Joint, list[A
     """Per-example units (``lead`` 1) or one example's rows (``lead`` 0) with the small
     ones concatenated, per example, into buckets (``units.plan``'s rule): the rare path
     of a thousand small leaves is then a few kernels to compile, not one per leaf. The
-    copies are made on the rare path only, the size of the small leaves (of one row)."""
+    buckets are temporaries whether the branch runs or not (XLA allocates its buffers):
+    over the batch, the small leaves' size; in the loop, one example's small rows."""
     whole = [None] * len(us)
     layout = plan(us, whole, j.combines, bucket=True, rows=False)
     out, _, _ = build(us, whole, layout, lead)

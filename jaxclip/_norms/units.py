@@ -154,7 +154,8 @@ def build(
     (:data:`Bucketed`).
     With ``lead`` (per-example norms) a leaf alone is flattened to ``(batch, elements)``
     where that is a free reshape, and reduced over its second axis: XLA:CPU reduces
-    one axis faster than several; a flat bucket is ``(batch, elements)`` too."""
+    one axis faster than several; a flat bucket of several leaves is ``(batch, elements)``
+    too."""
     arrays: list[Array] = []
     unit_axes: list[Axes] = []
     bucketed: list[Bucketed] = []
@@ -167,9 +168,12 @@ def build(
                 x = x.reshape(x.shape[0], math.prod(x.shape[1:]))
             arrays.append(x)
             unit_axes.append((1,) if lead else axes[unit.members[0]])
+        elif unit.width == FLAT and len(xs) == 1:  # one leaf: as it is
+            arrays.append(xs[0])
+            unit_axes.append(None)
         elif unit.width == FLAT:  # with ``lead``, each example's parts side by side
             flat = [lax.reshape(x, (*x.shape[:lead], math.prod(x.shape[lead:]))) for x in xs]
-            arrays.append(xs[0] if len(xs) == 1 else concatenate(flat, lead))
+            arrays.append(concatenate(flat, lead))
             unit_axes.append(None)
         elif unit.width == SLICES:
             parts = [_slices(leaves[i], axes[i] or ()) for i in unit.members]
